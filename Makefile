@@ -1,0 +1,44 @@
+# The few verbs people type. `make run` and `make test` do everything on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup os-deps test test-fast lint fmt bench run clean
+
+setup: os-deps $(STAMP)
+
+# Reinstall only when the dependency list changes; editable install means code changes need nothing.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+os-deps:
+	@bash scripts/os_deps.sh
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not docker"
+
+lint: setup
+	$(VENV)/bin/ruff format --check clawpipe flows tests bench harnesses
+	$(VENV)/bin/ruff check clawpipe flows tests bench harnesses
+	$(VENV)/bin/mypy clawpipe
+	$(VENV)/bin/lint-imports
+
+fmt: setup
+	$(VENV)/bin/ruff format clawpipe flows tests bench harnesses
+	$(VENV)/bin/ruff check --fix clawpipe flows tests bench harnesses
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+run: setup
+	$(VENV)/bin/clawpipe run
+
+clean:
+	rm -rf .clawpipe .tmp .pytest_cache

@@ -1,0 +1,3 @@
+from clawpipe.cli import main
+
+main()

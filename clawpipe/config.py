@@ -1,0 +1,127 @@
+"""The one reader of the environment.
+
+Every environment variable clawpipe honours is a field of :class:`Settings` (prefix ``CLAWPIPE_``).
+:func:`prepare_environment` also sets the offline-safe Prefect and MLflow variables measured in
+NOTES.md, and must run before either library is imported (the CLI and flows call it first).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Machine-level settings, read from ``CLAWPIPE_*`` environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="CLAWPIPE_", extra="ignore")
+
+    home: Path = Field(
+        default=Path(".clawpipe"),
+        description="Project home holding captures/, lake/, mlflow.db, prefect/ and models/.",
+    )
+    proxy_secret: str | None = Field(
+        default=None,
+        description="HMAC secret for rollout keys; generated once and stored in <home>/secret when unset.",
+    )
+    admin_token: str | None = Field(
+        default=None,
+        description="Token for admin endpoints of the proxy and serving engine; stored in <home>/admin_token when unset.",
+    )
+    torch_threads: int = Field(
+        default=1, ge=1, description="torch intra-op threads on CPU (1 is fastest on small shared machines)."
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="MLflow tracking URI; default sqlite:///<home>/mlflow.db (absolute)."
+    )
+    lake_uri: str | None = Field(
+        default=None, description="Lake root: a local path or a pyarrow/fsspec URL; default <home>/lake."
+    )
+
+    @property
+    def root(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def captures_dir(self) -> Path:
+        return self.root / "captures"
+
+    @property
+    def lake_dir(self) -> str:
+        return self.lake_uri or str(self.root / "lake")
+
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.root / "prefect"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.mlflow_tracking_uri or f"sqlite:///{self.root / 'mlflow.db'}"
+
+    def secret(self) -> bytes:
+        """The proxy's HMAC secret, created with 0600 permissions on first use."""
+        if self.proxy_secret:
+            return self.proxy_secret.encode()
+        return _stored_token(self.root / "secret").encode()
+
+    def admin(self) -> str:
+        """The admin token shared by the proxy and the serving engine."""
+        return self.admin_token or _stored_token(self.root / "admin_token")
+
+
+def _stored_token(path: Path) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    try:
+        os.link(tmp, path)  # first writer wins; a racing process reads the winner's token
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def prepare_environment(settings: Settings | None = None) -> Settings:
+    """Set offline-safe Prefect/MLflow variables (NOTES.md) unless the user set them already."""
+    s = settings or get_settings()
+    defaults = {
+        "PREFECT_HOME": str(s.prefect_home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "true",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+        "MLFLOW_TRACKING_URI": s.tracking_uri,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    s.root.mkdir(parents=True, exist_ok=True)
+    return s

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the OS packages clawpipe needs when they are missing: bubblewrap (default sandbox) and
+# docker.io (Docker backend, docker-marked tests). As root it uses apt-get; otherwise it says what to run.
+set -u
+missing=()
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "os-deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null || {
+    echo "os-deps: apt-get install ${missing[*]} failed" >&2; exit 1; }
+else
+  echo "os-deps: missing ${missing[*]}; install with: sudo apt-get install -y ${missing[*]}" >&2
+  echo "os-deps: continuing; sandbox/docker features that need them will say so" >&2
+fi
