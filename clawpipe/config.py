@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     mlflow_tracking_uri: str | None = Field(
         default=None, description="MLflow tracking URI; default sqlite:///<home>/mlflow.db (absolute)."
     )
+    inject_faults: str = Field(
+        default="",
+        description="Testing only: comma-separated stage@iteration (e.g. land_batch@0) that fail once after "
+        "doing (part of) their work, to prove retries leave exactly-once data.",
+    )
     lake_uri: str | None = Field(
         default=None, description="Lake root: a local path or a pyarrow/fsspec URL; default <home>/lake."
     )

@@ -134,6 +134,9 @@ TREE_NODES = pa.schema(
         pa.field("reward", pa.float64()),  # leaves: the rollout's reward
         pa.field("branch_cause", pa.string()),  # why this node starts a new branch, or null
         pa.field("drift_call_id", pa.string()),  # drift: the earlier call whose completion was re-encoded
+        # sequences that generated this node's tokens (identical samples of several calls/choices share a
+        # node): the node's policy-gradient weight; 0 for context nodes (added by the trees room)
+        pa.field("n_generated", pa.int32()),
     ]
 )
 

@@ -1,26 +1,215 @@
 """Lake access shared by every room: read views over the Parquet tables, and atomic partition writes.
 
-Layout: ``<lake>/<table>/run_id=<R>/iteration=<I>/part-*.parquet``. Readers get an in-memory DuckDB
-connection with one view per table over ``read_parquet(..., hive_partitioning=true, union_by_name=true)``,
-so no writer ever holds a lock that blocks them (NOTES.md). A table with no files yet gets an empty view
-with the right columns. Writers stage files outside the table and rename them into place.
+Layout: ``<lake>/<table>/run_id=<R>/iteration=<I>/part-*.parquet``; ``<lake>/rejects/part-*.parquet``.
+Readers get an in-memory DuckDB connection with one view per table, defined in ``sql/views/<table>.sql``
+over ``read_parquet(..., hive_partitioning=true, union_by_name=true)``, so no writer ever holds a lock
+that blocks them (NOTES.md). A table with no files yet gets an empty view with the right columns.
+Writers stage files under a name readers do not match and rename them into place.
+
+The lake root is a local path (default) or a filesystem URL: ``file:///abs/path`` or any fsspec URL
+(``memory://lake``, ``s3://bucket/lake`` where s3fs is installed). :class:`LakeFS` hides the difference.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
-import shutil
+import posixpath
 import uuid
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from clawpipe import sqlfiles
 from clawpipe.errors import LakeError
 from clawpipe.schemas import TABLES
 
 PARTITIONED = ("model_calls", "rollouts", "tree_nodes", "tree_stats")
+STAGING = "_staging"
+TMP_SUFFIX = ".inprogress"  # staged files end in this, so the views' ``*.parquet`` globs never match them
+# Columns holding whole documents or token lists: no dictionary, no min/max statistics (both cost more
+# than they give there: writing 150 KB responses with statistics was 3x slower).
+BULK_COLUMNS = frozenset({"request", "response", "tool_calls", "reward_info", "stderr_tail", "record"})
+
+
+def parquet_options(schema: pa.Schema) -> dict[str, object]:
+    """Writer options for a table: zstd level 1, dictionaries and statistics on the small columns only."""
+    small = [
+        f.name
+        for f in schema
+        if f.name not in BULK_COLUMNS and not pa.types.is_list(f.type) and not pa.types.is_large_list(f.type)
+    ]
+    return {"compression": "zstd", "compression_level": 1, "use_dictionary": small, "write_statistics": small}
+
+
+class LakeFS:
+    """A lake root on a pyarrow filesystem. Paths given to methods are relative to the root ("a/b")."""
+
+    def __init__(self, lake_root: str | os.PathLike[str]) -> None:
+        text = os.fspath(lake_root)
+        scheme = text.split("://", 1)[0] if "://" in text else ""
+        self.scheme = scheme
+        if scheme in ("", "file", "local"):
+            self.fs: pafs.FileSystem = pafs.LocalFileSystem()
+            base = text.split("://", 1)[1] if scheme else text
+            self.root = str(Path(base).expanduser().resolve())
+            self.is_local = True
+            self.url = self.root  # what DuckDB reads
+        else:
+            import fsspec
+            from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+            try:
+                fsspec_fs, path = fsspec.core.url_to_fs(text)
+            except (ImportError, ValueError) as exc:
+                raise LakeError(
+                    f"cannot open lake {text!r}: {exc}; install the fsspec implementation for {scheme}://"
+                ) from exc
+            self.fsspec = fsspec_fs
+            self.fs = PyFileSystem(FSSpecHandler(fsspec_fs))
+            self.root = path.rstrip("/")
+            self.is_local = False
+            self.url = f"{scheme}://{self.root.lstrip('/')}" if scheme == "memory" else text.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"LakeFS({self.url!r})"
+
+    # -- paths --------------------------------------------------------------------------------------
+    def full(self, rel: str) -> str:
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def local_path(self, rel: str = "") -> Path:
+        if not self.is_local:
+            raise LakeError(f"{self.url} is not a local lake")
+        return Path(self.full(rel))
+
+    # -- queries ------------------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.full(rel)).type != pafs.FileType.NotFound
+
+    def list_files(self, rel: str, *, suffix: str = "", recursive: bool = True) -> list[str]:
+        """Relative paths of the files under ``rel`` ending in ``suffix`` (sorted); [] when absent."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.full(rel), allow_not_found=True, recursive=recursive))
+        root = self.root.rstrip("/") + "/"
+        out = []
+        for info in infos:
+            if info.type == pafs.FileType.File and info.path.endswith(suffix):
+                p = info.path
+                out.append(p[len(root) :] if p.startswith(root) else p.lstrip("/")[len(root.lstrip("/")) :])
+        return sorted(out)
+
+    def list_dirs(self, rel: str) -> list[str]:
+        infos = self.fs.get_file_info(pafs.FileSelector(self.full(rel), allow_not_found=True))
+        return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory)
+
+    def has_parquet(self, rel: str) -> bool:
+        if self.is_local:
+            top = Path(self.full(rel))
+            if not top.is_dir():
+                return False
+            return any(any(f.endswith(".parquet") for f in files) for _dirpath, _dirs, files in os.walk(top))
+        return bool(self.list_files(rel, suffix=".parquet"))
+
+    # -- reads and writes ---------------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self.full(rel)) as f:
+            return f.read()
+
+    def makedirs(self, rel: str) -> None:
+        self.fs.create_dir(self.full(rel), recursive=True)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a small file atomically (temp name, then rename)."""
+        parent = posixpath.dirname(rel)
+        if parent:
+            self.makedirs(parent)
+        tmp = f"{rel}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+        with self.fs.open_output_stream(self.full(tmp)) as f:
+            f.write(data)
+        self.move(tmp, rel)
+
+    def write_parquet(self, rel: str, table: pa.Table) -> None:
+        """Write one Parquet file atomically: readers see all of it or nothing."""
+        parent = posixpath.dirname(rel)
+        if parent:
+            self.makedirs(parent)
+        tmp = f"{rel}{TMP_SUFFIX}"
+        pq.write_table(table, self.full(tmp), filesystem=self.fs, **parquet_options(table.schema))
+        self.move(tmp, rel)
+
+    def open_parquet_writer(self, rel: str, schema: pa.Schema) -> pq.ParquetWriter:
+        """A writer on ``rel + TMP_SUFFIX``; call :meth:`move` to publish it once closed."""
+        parent = posixpath.dirname(rel)
+        if parent:
+            self.makedirs(parent)
+        return pq.ParquetWriter(self.full(rel + TMP_SUFFIX), schema, filesystem=self.fs, **parquet_options(schema))
+
+    def read_parquet(self, rel: str, columns: list[str] | None = None) -> pa.Table:
+        return pq.read_table(self.full(rel), columns=columns, filesystem=self.fs, partitioning=None)
+
+    def move(self, src: str, dst: str) -> None:
+        if self.is_local:
+            os.replace(self.full(src), self.full(dst))
+        else:
+            self.fs.move(self.full(src), self.full(dst))
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.delete_file(self.full(rel))
+        except FileNotFoundError:
+            pass
+
+    def delete_dir(self, rel: str) -> None:
+        try:
+            self.fs.delete_dir(self.full(rel))
+        except FileNotFoundError:
+            pass
+
+    def swap_dir(self, staged: str, target: str) -> None:
+        """Put directory ``staged`` at ``target``; the old ``target`` (if any) ends at ``staged``.
+
+        Local lakes on Linux exchange the two atomically (renameat2 RENAME_EXCHANGE): a reader sees the old
+        partition or the new one, never neither and never a mix. Elsewhere: two renames (a brief gap).
+        """
+        src, dst = self.full(staged), self.full(target)
+        if self.is_local:
+            if os.path.exists(dst) and _rename_exchange(src, dst):
+                return
+            if os.path.exists(dst):
+                aside = f"{src}.old"
+                os.rename(dst, aside)
+                os.rename(src, dst)
+                os.rename(aside, src)
+                return
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.rename(src, dst)
+            os.makedirs(src)
+            return
+        old = [f for f in self.list_files(target)]
+        for rel in self.list_files(staged):
+            self.move(rel, posixpath.join(target, posixpath.relpath(rel, staged)))
+        for rel in old:
+            self.move(rel, posixpath.join(staged, posixpath.relpath(rel, target)))
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _rename_exchange(a: str, b: str) -> bool:
+    """Atomically exchange two paths (Linux renameat2); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
 
 
 def table_glob(lake_root: str | os.PathLike[str], table: str) -> str:
@@ -29,39 +218,49 @@ def table_glob(lake_root: str | os.PathLike[str], table: str) -> str:
     return f"{lake_root}/{table}/**/*.parquet"
 
 
-def _has_files(lake_root: Path, table: str) -> bool:
-    return any((lake_root / table).glob("**/*.parquet")) if (lake_root / table).is_dir() else False
+def connect(
+    lake_root: str | os.PathLike[str] | LakeFS, *, tables: tuple[str, ...] | None = None
+) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with a view per lake table (sql/views/<table>.sql).
 
-
-def connect(lake_root: str | os.PathLike[str], *, tables: tuple[str, ...] | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with a view per lake table (local lakes)."""
-    root = Path(lake_root)
+    The lake root is passed to the view definitions as the DuckDB variable ``lake_root``; remote
+    (fsspec) lakes get their filesystem registered with DuckDB. Views over tables without files are
+    empty and typed. Other files in sql/views (derived views) are created after the table views.
+    """
+    lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)
     con = duckdb.connect()
-    for name in tables or tuple(TABLES):
-        if _has_files(root, name):
-            # Paths are identifiers here, not values: DuckDB takes no parameters in view definitions.
-            glob = table_glob(root, name).replace("'", "''")
-            con.execute(
-                f"create or replace view {name} as select * from read_parquet('{glob}', "
-                "hive_partitioning=true, union_by_name=true)"
-            )
+    if not lake.is_local:
+        con.register_filesystem(lake.fsspec)
+    con.execute("set variable lake_root = ?", [lake.url])
+    names = tables or tuple(TABLES)
+    for name in names:
+        if lake.has_parquet(name):
+            con.execute(sqlfiles.sql_text(f"views/{name}"))
         else:
             con.register(f"_{name}_empty", TABLES[name].empty_table())
             con.execute(f"create or replace view {name} as select * from _{name}_empty")
+    if tables is None:
+        for extra in sqlfiles.sql_names("views"):
+            if extra not in TABLES:
+                con.execute(sqlfiles.sql_text(f"views/{extra}"))
     return con
 
 
 def partition_dir(lake_root: str | os.PathLike[str], table: str, run_id: str, iteration: int) -> Path:
-    return Path(lake_root) / table / f"run_id={run_id}" / f"iteration={int(iteration)}"
+    return Path(lake_root) / partition_rel(table, run_id, iteration)
+
+
+def partition_rel(table: str, run_id: str, iteration: int) -> str:
+    return f"{table}/run_id={run_id}/iteration={int(iteration)}"
 
 
 def replace_partition(
-    lake_root: str | os.PathLike[str], table: str, run_id: str, iteration: int, data: pa.Table
+    lake_root: str | os.PathLike[str] | LakeFS, table: str, run_id: str, iteration: int, data: pa.Table
 ) -> Path:
     """Atomically replace one (run_id, iteration) partition of a table with ``data``.
 
-    The new files are written to ``<lake>/_staging`` and swapped in with renames; a crash leaves either
-    the old partition or the new one (or, between the two renames, none, which a rerun repairs), never a mix.
+    The new file is written to ``<lake>/_staging/<id>/`` and swapped in (see :meth:`LakeFS.swap_dir`):
+    on local lakes a reader sees the old partition or the new one, never a mix. Idempotent rewrite.
     """
     if table not in TABLES:
         raise LakeError(f"unknown table {table!r}; known: {sorted(TABLES)}")
@@ -70,17 +269,10 @@ def replace_partition(
         data = data.select(schema.names).cast(schema)
     except (KeyError, pa.ArrowInvalid) as exc:
         raise LakeError(f"rows for {table} do not match schemas.{table.upper()}: {exc}") from exc
-    root = Path(lake_root)
-    staging = root / "_staging" / uuid.uuid4().hex
-    staging.mkdir(parents=True)
-    pq.write_table(data, staging / f"part-{uuid.uuid4().hex}.parquet")
-    target = partition_dir(root, table, run_id, iteration)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    old = None
-    if target.exists():
-        old = root / "_staging" / f"old-{uuid.uuid4().hex}"
-        os.rename(target, old)
-    os.rename(staging, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return target
+    lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)
+    staged = f"{STAGING}/{uuid.uuid4().hex}"
+    lake.write_parquet(f"{staged}/part-{uuid.uuid4().hex}.parquet", data)
+    target = partition_rel(table, run_id, iteration)
+    lake.swap_dir(staged, target)
+    lake.delete_dir(staged)
+    return Path(lake.full(target))

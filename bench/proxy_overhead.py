@@ -1,0 +1,250 @@
+"""Proxy overhead: CPU per call, throughput, added latency and RSS of clawpipe's capture proxy vs a peer.
+
+Run: ``.venv/bin/python bench/proxy_overhead.py [--rss-calls 100000] [--no-peer]`` (default RSS check: 30k calls)
+
+In one run it measures the mock upstream alone, clawpipe's proxy (durable capture on: group-committed,
+fsynced segments) and, when it can be started, a peer's gateway (Agent Lightning 1.0.2 via
+``../shared/bench/peer_gateway.sh``, Python 3.12 in its own venv), each in front of the same vLLM-style mock
+upstream (``../shared/bench/mock_upstream.py``) and driven by the same closed-loop load generator
+(``loadgen.py``). CPU per call is the proxy process tree's utime+stime (psutil) across the load divided by
+calls, with the proxy pinned to core 1 and upstream + load generator to core 0 (bench/README in shared).
+Small call: 0.5 KB request / 7 KB response; large: 64 KB / 150 KB. Prints human lines, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("CLAWPIPE_SHARED_BENCH", ROOT.parent / "shared" / "bench"))
+PY = sys.executable
+SECRET = b"bench-secret"
+CASES = [("small", 1, 2000), ("small", 32, 4000), ("large", 1, 300), ("large", 32, 600)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pin(core: int | None) -> list[str]:
+    return ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
+
+
+def tree_cpu(pid: int) -> float:
+    """utime+stime seconds of a process and its descendants."""
+    p = psutil.Process(pid)
+    total = 0.0
+    for proc in [p, *p.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def tree_rss(pid: int) -> int:
+    p = psutil.Process(pid)
+    return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
+
+
+def loadgen(path: str, port: int, conc: int, n: int, size: str, core: int | None) -> dict[str, Any]:
+    env = {**os.environ, "LG_MODEL": "mock-model"}
+    cmd = [*pin(core), PY, str(SHARED / "loadgen.py"), path, str(port), str(conc), str(n), size, "100"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(name: str, pid: int | None, path: str, port: int, core0: int | None) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for size, conc, n in CASES:
+        before = tree_cpu(pid) if pid else 0.0
+        lg = loadgen(path, port, conc, n, size, core0)
+        after = tree_cpu(pid) if pid else 0.0
+        row = {
+            "cpu_ms_per_call": round((after - before) * 1000 / lg["n"], 4) if pid else None,
+            "median_ms": lg["median_ms"],
+            "p99_ms": lg["p99_ms"],
+            "calls_per_s": lg["calls_per_s"],
+            "errors": lg["errors"],
+        }
+        results[f"{size}_{conc}"] = row
+        print(f"{name:9s} {size:5s} x{conc:<2d} {row}", flush=True)
+    return results
+
+
+def start_clawpipe(up_port: int, capture_dir: Path, core: int | None) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from clawpipe.proxy import run_proxy\n"
+        f"run_proxy(upstreams=['http://127.0.0.1:{up_port}'], port={port}, capture_dir={str(capture_dir)!r},"
+        f" secret={SECRET!r}, admin_token='bench')\n"
+    )
+    proc = subprocess.Popen([*pin(core), PY, "-c", code], cwd=ROOT)
+    wait_port(port)
+    return proc, port
+
+
+def start_peer(up_port: int, core: int | None) -> tuple[int, int, str]:
+    script = SHARED / "peer_gateway.sh"
+    if not script.exists():
+        raise RuntimeError(f"{script} not found")
+    port = free_port()
+    out = subprocess.run(
+        ["bash", str(script), str(up_port), str(port)], capture_output=True, text=True, timeout=900, check=False
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"peer_gateway.sh failed ({out.returncode}): {out.stderr.strip()[-300:]}")
+    pid_s, route = out.stdout.strip().splitlines()[-2:]
+    pid = int(pid_s)
+    if core is not None and shutil.which("taskset"):
+        for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(proc.pid)], capture_output=True, check=False)
+    return pid, port, route
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        p = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [p, *p.children(recursive=True)]
+    for q in procs:
+        try:
+            q.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for q in alive:
+        q.kill()
+
+
+def rss_run(pid: int, path: str, port: int, total: int, core0: int | None) -> dict[str, Any]:
+    """``total`` calls, 9 small : 1 large, in rounds at 32 clients; RSS of the proxy after each round."""
+    start = tree_rss(pid)
+    done, samples = 0, []
+    t0 = time.monotonic()
+    while done < total:
+        n = min(10000, total - done)
+        n_large = max(1, n // 10)
+        loadgen(path, port, 32, n - n_large, "small", core0)
+        loadgen(path, port, 32, n_large, "large", core0)
+        done += n
+        samples.append(tree_rss(pid))
+    return {
+        "calls": done,
+        "rss_mb_start": round(start / 2**20, 1),
+        "rss_mb_after": round(samples[-1] / 2**20, 1),
+        "rss_mb_max": round(max(samples) / 2**20, 1),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+def ratio(peer: dict[str, Any] | None, ours: dict[str, Any], case: str) -> float | None:
+    if not peer or not peer.get(case) or not ours[case]["cpu_ms_per_call"]:
+        return None
+    return round(peer[case]["cpu_ms_per_call"] / ours[case]["cpu_ms_per_call"], 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--rss-calls", type=int, default=30000, help="captured calls (9 small : 1 large) before RSS; 100000: full check"
+    )
+    ap.add_argument("--no-peer", action="store_true", help="skip the peer gateway")
+    args = ap.parse_args()
+    from clawpipe.keys import mint_key
+
+    two_cores = (os.cpu_count() or 1) >= 2
+    core0, core1 = (0, 1) if two_cores else (None, None)
+    tmp = Path(tempfile.mkdtemp(prefix="clawpipe-bench-"))
+    up_port = free_port()
+    upstream = subprocess.Popen(
+        [*pin(core0), PY, str(SHARED / "mock_upstream.py"), str(up_port)], stdout=subprocess.DEVNULL
+    )
+    procs: list[int] = [upstream.pid]
+    report: dict[str, Any] = {"pinned": two_cores, "durable_capture": True}
+    try:
+        wait_port(up_port)
+        alone = measure("upstream", None, "/v1/chat/completions", up_port, core0)
+        report["upstream_alone"] = alone
+
+        proxy, port = start_clawpipe(up_port, tmp / "captures", core1)
+        procs.append(proxy.pid)
+        key = mint_key(SECRET, run_id="bench", iteration=0, rollout_id="r1")
+        path = f"/r/{key}/v1/chat/completions"
+        ours = measure("clawpipe", proxy.pid, path, port, core0)
+        report["clawpipe"] = ours
+        rss = rss_run(proxy.pid, path, port, args.rss_calls, core0)
+        report["clawpipe_rss"] = rss
+        print(f"clawpipe  RSS after {rss['calls']} captured calls: {rss}", flush=True)
+        captured = sum(f.stat().st_size for f in (tmp / "captures").iterdir())
+        report["captured_mb"] = round(captured / 2**20, 1)
+        proxy.send_signal(signal.SIGTERM)
+        proxy.wait(60)
+        shutil.rmtree(tmp / "captures", ignore_errors=True)
+
+        peer = None
+        if args.no_peer:
+            report["peer_error"] = "skipped (--no-peer)"
+        else:
+            try:
+                ppid, pport, route = start_peer(up_port, core1)
+                procs.append(ppid)
+                peer = measure("peer", ppid, route, pport, core0)
+                report["peer_rss_mb_after_cases"] = round(tree_rss(ppid) / 2**20, 1)
+                kill_tree(ppid)
+            except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+                report["peer_error"] = str(exc)
+                print(f"peer unavailable: {exc}", flush=True)
+        report["peer"] = peer
+    finally:
+        for pid in reversed(procs):
+            kill_tree(pid)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    ratios = {case: ratio(peer, ours, case) for case in ours}
+    report["ratio_cpu_peer_over_clawpipe"] = ratios
+    added = {c: round(ours[c]["median_ms"] - alone[c]["median_ms"], 3) for c in ("small_1", "large_1")}
+    report["added_median_latency_ms"] = added
+    small = [r for r in (ratios["small_1"], ratios["small_32"]) if r is not None]
+    large = [r for r in (ratios["large_1"], ratios["large_32"]) if r is not None]
+    report["targets"] = {
+        "small_cpu_ratio_ge_6": (min(small) >= 6) if small else None,
+        "large_cpu_ratio_ge_3": (min(large) >= 3) if large else None,
+        "added_latency_small_1_lt_1ms": added["small_1"] < 1.0,
+        "rss_lt_200mb": report["clawpipe_rss"]["rss_mb_max"] < 200,
+    }
+    cpu = "/".join(f"{ours[c]['cpu_ms_per_call']:.3f}" for c in ours)
+    print(f"summary: clawpipe cpu ms/call {cpu} ({', '.join(ours)}); peer/clawpipe {ratios}; added median {added} ms")
+    print(json.dumps(report, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()

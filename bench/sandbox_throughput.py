@@ -1,0 +1,211 @@
+"""Sandbox throughput: start-to-exit latency per backend, 64 concurrent rollouts, runner memory vs batch size.
+
+Run: ``.venv/bin/python bench/sandbox_throughput.py`` (as root, with bubblewrap; docker is measured when an
+engine answers or dockerd is installed, else reported as null). Prints human lines, then one JSON line.
+
+1. Median start-to-exit latency of a trivial Python harness (``pass``) through each backend's ``run``
+   (sandbox setup, cgroup, bridge listener, exit, teardown), next to a bare ``subprocess.run`` of the same.
+2. Wall time of 64 concurrent rollouts of a short harness (two HTTP calls to a loopback upstream through
+   the bridge) with bwrap, and the number of infra errors (target 0).
+3. The runner's peak RSS for 64 and for 512 short rollouts, each in a fresh process (results stream to
+   disk, so it should not grow with the batch).
+Ratios last: bwrap's added median latency over the process backend (target <= 30 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHORT = """
+import json, os, urllib.request
+for _ in range(2):
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": os.environ["OPENAI_MODEL"], "messages": []}).encode(),
+        headers={"content-type": "application/json", "authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    reply = json.loads(urllib.request.urlopen(req, timeout=10).read())
+open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "answer.txt"), "w").write(reply["choices"][0]["message"]["content"])
+"""
+
+
+def latency(backend_name: str, n: int, tmp: Path, proxy_url: str) -> list[float]:
+    """Seconds from start to exit of a trivial harness through one backend's run()."""
+    from clawpipe.sandbox import load_manifest
+    from clawpipe.sandbox.backends.base import SandboxJob, get_backend
+    from clawpipe.sandbox.bridge import Bridge
+    from tests.sandbox.support import make_harness
+
+    m = load_manifest(make_harness(tmp / f"h-{backend_name}", "trivial", "pass\n"))
+    backend = get_backend(backend_name)
+    times = []
+    with Bridge(proxy_url) as bridge:
+        for i in range(n + 1):
+            rdir = tmp / f"lat-{backend_name}-{i}"
+            (rdir / "work" / "out").mkdir(parents=True)
+            (rdir / "task.json").write_text("{}")
+            if backend_name != "process":
+                for p in (rdir / "work", rdir / "work" / "out"):
+                    os.chown(p, 65534, 65534)
+            job = SandboxJob(f"lat{i}", m, rdir, "k", "m", 30.0, m.limits)
+            t0 = time.perf_counter()
+            out = backend.run(job, bridge)
+            dt = time.perf_counter() - t0
+            if out.exit_code != 0:
+                raise RuntimeError(f"{backend_name} trivial harness failed: {job.stderr_path.read_text()[-500:]}")
+            if i:  # the first run warms caches (and imports the docker image)
+                times.append(dt)
+    backend.close()
+    return times
+
+
+def bare_latency(n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def batch(n: int, concurrency: int, backend: str, proxy_url: str, tmp: Path) -> dict[str, Any]:
+    """Run n short rollouts; return wall time, statuses and this process's peak RSS."""
+    import resource
+
+    from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
+    from tests.sandbox.support import EchoTaskSet, make_harness
+
+    echo = EchoTaskSet()
+    m = load_manifest(make_harness(tmp, "short", SHORT))
+    specs = [RolloutSpec(run_id="bench", iteration=0, harness=m, task=t, model="m") for t in echo.generate(n)]
+    t0 = time.perf_counter()
+    results = run_rollouts(
+        specs,
+        proxy_url=proxy_url,
+        backend=backend,
+        concurrency=concurrency,
+        results_path=tmp / "results.jsonl",
+        secret=b"bench",
+        scratch_dir=tmp / "scratch",
+        task_sets={"echo": echo},
+    )
+    wall = time.perf_counter() - t0
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+    return {
+        "n": n,
+        "wall_s": round(wall, 3),
+        "statuses": statuses,
+        "infra_errors": statuses.get("infra_error", 0),
+        "rewarded": sum(1 for r in results if r.reward == 1.0),
+        "calls": sum(r.n_calls for r in results),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def batch_in_subprocess(n: int, concurrency: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--batch", str(n), str(concurrency)], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def docker_engine() -> tuple[str | None, Any]:
+    """DOCKER_HOST of an engine that answers, starting a private dockerd if needed (stopped at the end)."""
+    from tests.support.dockerd import PrivateDockerd, engine_answers
+
+    if engine_answers(os.environ.get("DOCKER_HOST")):
+        return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock", None
+    if shutil.which("dockerd") is None or os.geteuid() != 0:
+        return None, None
+    engine = PrivateDockerd()
+    try:
+        host = engine.start()
+    except RuntimeError:
+        engine.stop()
+        return None, None
+    os.environ["DOCKER_HOST"] = host
+    return host, engine
+
+
+def main() -> None:
+    from tests.sandbox.support import Upstream
+
+    up = Upstream()
+    tmp = Path(tempfile.mkdtemp(prefix="clawpipe-bench-"))
+    engine = None
+    try:
+        bare = bare_latency(15)
+        proc = latency("process", 15, tmp, up.url)
+        bw = latency("bwrap", 15, tmp, up.url)
+        host, engine = docker_engine()
+        dock = latency("docker", 6, tmp, up.url) if host else []
+        med = {
+            k: statistics.median(v) * 1000 if v else None
+            for k, v in {"bare": bare, "process": proc, "bwrap": bw, "docker": dock}.items()
+        }
+        for k, v in med.items():
+            print(f"start-to-exit median {k:8}: " + (f"{v:7.1f} ms" if v is not None else "   n/a (no docker engine)"))
+        b64 = batch_in_subprocess(64, 64)
+        print(
+            f"64 concurrent short rollouts (bwrap): {b64['wall_s']:.2f} s, {b64['statuses']}, "
+            f"{b64['calls']} calls, runner peak RSS {b64['peak_rss_mb']} MB"
+        )
+        b512 = batch_in_subprocess(512, 64)
+        print(
+            f"512 short rollouts (bwrap, concurrency 64): {b512['wall_s']:.2f} s, {b512['statuses']}, "
+            f"runner peak RSS {b512['peak_rss_mb']} MB"
+        )
+        added = med["bwrap"] - med["process"]
+        figures = {
+            "latency_median_ms": {k: (round(v, 2) if v is not None else None) for k, v in med.items()},
+            "concurrent64": b64,
+            "batch512": b512,
+            "ratios": {
+                "bwrap_added_ms_over_process": round(added, 2),
+                "bwrap_added_ms_over_bare": round(med["bwrap"] - med["bare"], 2),
+                "bwrap_over_process": round(med["bwrap"] / med["process"], 3),
+                "docker_over_process": round(med["docker"] / med["process"], 3) if med["docker"] else None,
+                "rss_512_over_64": round(b512["peak_rss_mb"] / b64["peak_rss_mb"], 3),
+            },
+            "targets_met": {
+                "bwrap_added_le_30ms": added <= 30.0,
+                "zero_infra_errors_64": b64["infra_errors"] == 0,
+            },
+        }
+        print(
+            f"bwrap adds {added:.1f} ms median over the process backend (target <= 30 ms); "
+            f"RSS 512/64 = {figures['ratios']['rss_512_over_64']}"
+        )
+        print(json.dumps(figures))
+    finally:
+        up.close()
+        if engine is not None:
+            engine.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--batch":
+        from tests.sandbox.support import Upstream
+
+        upstream = Upstream()
+        workdir = Path(tempfile.mkdtemp(prefix="clawpipe-bench-batch-"))
+        try:
+            print(json.dumps(batch(int(sys.argv[2]), int(sys.argv[3]), "bwrap", upstream.url, workdir)))
+        finally:
+            upstream.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        main()

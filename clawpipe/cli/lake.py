@@ -1,0 +1,206 @@
+"""``clawpipe land``, ``clawpipe sql`` and ``clawpipe lake check|compact|saved``: the trajectory lake."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+FORMATS = ("table", "csv", "json", "parquet")
+
+
+def _lake_root(lake: str | None) -> str:
+    from clawpipe.config import get_settings
+
+    return lake or get_settings().lake_dir
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", err=True, fg="red")
+    raise typer.Exit(1)
+
+
+def _cell(v: Any, width: int = 60) -> str:
+    s = "NULL" if v is None else v if isinstance(v, str) else json.dumps(v, default=str)
+    s = s.replace("\n", "\\n")
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def _print_table(table: Any) -> None:
+    names = table.column_names
+    rows = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
+    widths = [max([len(n)] + [len(r[i]) for r in rows]) for i, n in enumerate(names)]
+    out = sys.stdout
+    out.write(" | ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)) + "\n")
+    out.write("-+-".join("-" * w for w in widths) + "\n")
+    for r in rows:
+        out.write(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + "\n")
+    out.write(f"({table.num_rows} row{'s' if table.num_rows != 1 else ''})\n")
+
+
+def _flatten_nested(table: Any) -> Any:
+    """CSV cannot hold lists or structs: nested columns become JSON text."""
+    import pyarrow as pa
+
+    cols = []
+    for col in table.columns:
+        if pa.types.is_nested(col.type):
+            cols.append(pa.array([None if v is None else json.dumps(v, default=str) for v in col.to_pylist()]))
+        else:
+            cols.append(col)
+    return pa.table(cols, names=table.column_names)
+
+
+def _emit(table: Any, fmt: str, out: Path | None) -> None:
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        if out is None:
+            raise typer.BadParameter("--format parquet needs --out FILE")
+        pq.write_table(table, out)
+        typer.echo(f"wrote {table.num_rows} rows to {out}", err=True)
+        return
+    if fmt == "csv":
+        import io
+
+        import pyarrow.csv as pcsv
+
+        buf = io.BytesIO()
+        pcsv.write_csv(_flatten_nested(table), buf)
+        data = buf.getvalue()
+    elif fmt == "json":
+        lines = [json.dumps(row, default=str) for row in table.to_pylist()]
+        data = ("\n".join(lines) + ("\n" if lines else "")).encode()
+    else:
+        if out is None:
+            _print_table(table)
+            return
+        import contextlib
+        import io
+
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            _print_table(table)
+        data = text.getvalue().encode()
+    if out is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        out.write_bytes(data)
+
+
+def register(app: typer.Typer) -> None:
+    lake_app = typer.Typer(help="Trajectory lake upkeep: audits, compaction, saved queries.", no_args_is_help=True)
+    app.add_typer(lake_app, name="lake")
+
+    @app.command("land")
+    def land_cmd(
+        captures: Path | None = typer.Option(None, "--captures", help="Capture dir; default <CLAWPIPE_HOME>/captures."),
+        lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
+    ) -> None:
+        """Land new capture segments and rollout results into the lake (exactly once; safe to rerun)."""
+        from clawpipe.config import get_settings
+        from clawpipe.errors import ClawpipeError
+        from clawpipe.lake import land
+
+        try:
+            report = land(captures or get_settings().captures_dir, _lake_root(lake))
+        except ClawpipeError as exc:
+            _fail(exc)
+        typer.echo(
+            f"landed {report.calls} calls ({report.rows} rows), {report.rollouts} rollout rows, "
+            f"{report.rejects} rejects, {report.duplicates} duplicates skipped, from {report.segments} segments "
+            f"in {report.seconds:.2f}s"
+        )
+
+    @app.command("sql")
+    def sql_cmd(
+        query: str | None = typer.Argument(None, help="One read-only SQL statement over the lake's views."),
+        saved: str | None = typer.Option(None, "--saved", help="Run sql/analytics/NAME.sql instead."),
+        param: list[str] = typer.Option([], "--param", help="k=v for a saved query's $k (repeat)."),
+        fmt: str = typer.Option("table", "--format", help="table | csv | json (JSON lines) | parquet."),
+        out: Path | None = typer.Option(None, "--out", help="Write to this file instead of stdout."),
+        lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
+    ) -> None:
+        """Ad hoc, read-only SQL over model_calls, rollouts, tree_nodes, tree_stats and rejects."""
+        from clawpipe.errors import ClawpipeError
+        from clawpipe.lake import run_saved, run_sql
+
+        if fmt not in FORMATS:
+            raise typer.BadParameter(f"--format must be one of {', '.join(FORMATS)}")
+        if (query is None) == (saved is None):
+            raise typer.BadParameter("give a QUERY or --saved NAME (one of them)")
+        params: dict[str, str] = {}
+        for p in param:
+            if "=" not in p:
+                raise typer.BadParameter(f"--param {p!r}: expected k=v")
+            k, v = p.split("=", 1)
+            params[k.strip().lstrip("$")] = v
+        try:
+            if saved is not None:
+                table = run_saved(_lake_root(lake), saved, params)
+            else:
+                if params:
+                    raise typer.BadParameter("--param goes with --saved")
+                table = run_sql(_lake_root(lake), query or "")
+        except ClawpipeError as exc:
+            _fail(exc)
+        _emit(table, fmt, out)
+
+    @lake_app.command("check")
+    def check_cmd(
+        lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
+        show: int = typer.Option(10, "--show", help="Offending rows to print per failed audit."),
+    ) -> None:
+        """Run every audit in sql/audits; exit 1 when any returns offending rows."""
+        from clawpipe.errors import ClawpipeError
+        from clawpipe.lake import run_audits
+
+        try:
+            results = run_audits(_lake_root(lake))
+        except ClawpipeError as exc:
+            _fail(exc)
+        failed = 0
+        for name, table in results.items():
+            if table.num_rows == 0:
+                typer.echo(f"PASS {name}")
+                continue
+            failed += 1
+            typer.secho(f"FAIL {name}: {table.num_rows} offending rows", fg="red")
+            _print_table(table.slice(0, show))
+        typer.echo(f"{len(results) - failed}/{len(results)} audits passed")
+        if failed:
+            raise typer.Exit(1)
+
+    @lake_app.command("compact")
+    def compact_cmd(
+        lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
+        min_files: int = typer.Option(2, "--min-files", help="Compact partitions holding at least this many parts."),
+    ) -> None:
+        """Merge each partition's part files into one (atomic per partition; readers never wait)."""
+        from clawpipe.errors import ClawpipeError
+        from clawpipe.lake import compact
+
+        try:
+            r = compact(_lake_root(lake), min_files=min_files)
+        except ClawpipeError as exc:
+            _fail(exc)
+        typer.echo(
+            f"compacted {r.partitions} partitions: {r.files_before} -> {r.files_after} files, {r.rows} rows, "
+            f"{r.duplicates_dropped} duplicates dropped, in {r.seconds:.2f}s"
+        )
+
+    @lake_app.command("saved")
+    def saved_cmd() -> None:
+        """List the saved queries (sql/analytics) and their parameters."""
+        from clawpipe import sqlfiles
+        from clawpipe.lake.query import query_params, saved_names
+
+        for name in saved_names():
+            text = sqlfiles.sql_text(f"analytics/{name}")
+            first = next((ln[2:].strip() for ln in text.splitlines() if ln.startswith("--")), "")
+            params = ", ".join(f"${p}" for p in query_params(text)) or "-"
+            typer.echo(f"{name}  [{params}]  {first}")

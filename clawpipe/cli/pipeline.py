@@ -1,0 +1,93 @@
+"""``clawpipe run``, ``clawpipe deploy`` and ``clawpipe worker``: the main job and its scheduling.
+
+The flows live in flows/ (clawpipe never imports prefect or flows), so these commands validate the
+config here, fast, and then run the flow module in a child Python process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", help="Run the pipeline: rollout -> land -> reconstruct -> train -> publish, N iterations.")(run)
+    app.command("deploy", help="Register the pipeline as a scheduled Prefect deployment on a Prefect server.")(deploy)
+    app.command("worker", help="Start a Prefect worker that executes deployed pipeline runs.")(worker)
+
+
+def _flows_env() -> dict[str, str]:
+    from clawpipe.config import prepare_environment
+
+    prepare_environment()
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run(
+    config: Path | None = typer.Option(None, "--config", help="Pipeline TOML (fields of PipelineConfig)."),
+    iterations: int | None = typer.Option(None, "--iterations", help="Override the number of iterations."),
+    backend: str | None = typer.Option(None, "--backend", help="Override the sandbox backend: bwrap|docker|process."),
+    resume: str | None = typer.Option(None, "--resume", help="Continue RUN_ID from its last completed iteration."),
+    summary_out: Path | None = typer.Option(None, "--summary-out", help="Write the final summary JSON here."),
+) -> None:
+    """Run the main job (the embedded default needs nothing running beforehand)."""
+    from clawpipe.pipeline.config import load_config
+
+    if not resume:
+        load_config(config, iterations=iterations, backend=backend)  # fail before anything starts
+    cmd = [sys.executable, "-m", "flows.pipeline"]
+    for flag, value in (
+        ("--config", config),
+        ("--iterations", iterations),
+        ("--backend", backend),
+        ("--resume", resume),
+        ("--summary-out", summary_out),
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    raise typer.Exit(subprocess.call(cmd, env=_flows_env()))
+
+
+def deploy(
+    cron: str | None = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 */6 * * *'."),
+    config: Path | None = typer.Option(None, "--config", help="Pipeline TOML the scheduled runs use."),
+    pool: str = typer.Option("clawpipe", "--pool", help="Process work pool to deploy to (created if missing)."),
+    name: str = typer.Option("clawpipe-pipeline", "--name", help="Deployment name."),
+    api_url: str | None = typer.Option(None, "--api-url", help="Prefect server API URL (default: PREFECT_API_URL)."),
+) -> None:
+    """Needs a Prefect server (`prefect server start --host 127.0.0.1`); an ephemeral one cannot schedule."""
+    from clawpipe.pipeline.config import load_config
+
+    cfg = load_config(config)
+    cmd = [sys.executable, "-m", "flows.deploy", "--pool", pool, "--name", name, "--config-json", cfg.model_dump_json()]
+    if cron:
+        cmd += ["--cron", cron]
+    env = _flows_env()
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    raise typer.Exit(subprocess.call(cmd, env=env))
+
+
+def worker(
+    pool: str = typer.Option("clawpipe", "--pool", help="Work pool to take runs from."),
+    api_url: str | None = typer.Option(None, "--api-url", help="Prefect server API URL (default: PREFECT_API_URL)."),
+    limit: int | None = typer.Option(None, "--limit", help="Most flow runs at once."),
+    run_once: bool = typer.Option(False, "--run-once", help="Execute the runs scheduled now, then exit."),
+) -> None:
+    """Start a process worker for the pool (on this machine or another that shares the lake and MLflow)."""
+    env = _flows_env()
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
+    if limit:
+        cmd += ["--limit", str(limit)]
+    if run_once:
+        cmd += ["--run-once"]
+    raise typer.Exit(subprocess.call(cmd, env=env))

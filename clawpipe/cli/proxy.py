@@ -1,0 +1,51 @@
+"""``clawpipe proxy``: run the capture proxy in front of one or more policy servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("proxy")
+    def proxy(
+        upstream: list[str] = typer.Option(..., "--upstream", help="Policy server base URL (repeat for replicas)."),
+        port: int = typer.Option(8400, "--port", help="Port to listen on (0 picks a free one)."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+        capture_dir: Path | None = typer.Option(
+            None, "--capture-dir", help="Where segments go; default <CLAWPIPE_HOME>/captures."
+        ),
+        tokenizer: Path | None = typer.Option(
+            None, "--tokenizer", help="Model dir with tokenizer.json + chat template, to retokenize id-less calls."
+        ),
+        policy_version: int = typer.Option(0, "--policy-version", help="Version stamped on calls until changed."),
+        max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Larger request bodies get 413."),
+        upstream_timeout: float = typer.Option(600.0, "--upstream-timeout", help="Seconds of upstream silence -> 504."),
+        segment_mb: float = typer.Option(64.0, "--segment-mb", help="Rotate segments at this size."),
+        segment_age: float = typer.Option(300.0, "--segment-age", help="Rotate segments at this age (s)."),
+        fsync: bool = typer.Option(
+            True, "--fsync/--no-fsync", help="fsync each commit before answering (off: faster, not crash-safe)."
+        ),
+        ready_file: Path | None = typer.Option(None, "--ready-file", help="Write the proxy URL here once listening."),
+    ) -> None:
+        """Forward OpenAI/Anthropic calls to the upstream and capture each one, attributed to its rollout."""
+        from clawpipe.config import get_settings
+        from clawpipe.proxy import ProxyConfig, run_proxy
+
+        settings = get_settings()
+        cfg = ProxyConfig(
+            upstreams=upstream,
+            capture_dir=capture_dir or settings.captures_dir,
+            host=host,
+            port=port,
+            tokenizer_dir=tokenizer,
+            policy_version=policy_version,
+            max_body_bytes=int(max_body_mb * (1 << 20)),
+            upstream_timeout_s=upstream_timeout,
+            segment_max_bytes=int(segment_mb * (1 << 20)),
+            segment_max_age_s=segment_age,
+            fsync=fsync,
+            ready_file=ready_file,
+        )
+        run_proxy(cfg)

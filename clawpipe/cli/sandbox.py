@@ -1,0 +1,158 @@
+"""``clawpipe rollout`` (run harnesses on tasks in sandboxes) and ``clawpipe harness list|check``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+harness_app = typer.Typer(help="Inspect harness manifests (harnesses/<name>/harness.toml).", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(harness_app, name="harness")
+
+    @app.command("rollout")
+    def rollout(
+        harness: str = typer.Option(..., "--harness", help="Harness name (harnesses/<name>) or a harness folder."),
+        tasks: str = typer.Option(None, "--tasks", help="Task set name to generate instances from."),
+        n: int = typer.Option(4, "-n", "--n", help="Number of task instances."),
+        samples: int = typer.Option(1, "--samples", "-k", help="Rollouts per task instance (the GRPO group size)."),
+        task_file: Path | None = typer.Option(
+            None, "--task-file", help="JSON/JSONL task instances to run instead of generating them."
+        ),
+        backend: str = typer.Option("bwrap", "--backend", help="bwrap (default), docker, or process (no isolation)."),
+        concurrency: int = typer.Option(8, "--concurrency", "-c", help="Rollouts running at once."),
+        proxy: str = typer.Option("http://127.0.0.1:8400", "--proxy", help="The capture proxy's URL."),
+        model: str = typer.Option("policy", "--model", help="Served model name the harness is told to use."),
+        run_id: str = typer.Option("adhoc", "--run-id", help="Run the calls and rows are attributed to."),
+        iteration: int = typer.Option(0, "--iteration", help="Iteration number within the run."),
+        seed: int = typer.Option(0, "--seed", help="Seed for task generation."),
+        split: str = typer.Option("train", "--split", help="Task split: train or eval."),
+        timeout: float | None = typer.Option(None, "--timeout", help="Seconds per rollout (default: the manifest's)."),
+        results: Path | None = typer.Option(
+            None,
+            "--results",
+            help="Results JSONL (default <home>/captures/results/<run>/<iter>/results-<batch>.jsonl).",
+        ),
+        harness_dir: list[Path] = typer.Option([], "--harness-dir", help="Extra folder holding <name>/harness.toml."),
+        keep_workdirs: bool = typer.Option(False, "--keep-workdirs", help="Keep each rollout's work dir."),
+        max_attempts: int = typer.Option(3, "--max-attempts", help="Tries per rollout for infra errors only."),
+    ) -> None:
+        """Run a harness on tasks in sandboxes against the proxy; one result row per rollout."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Table
+
+        from clawpipe.errors import ConfigError
+        from clawpipe.sandbox import RolloutSpec, find_harness, load_task_file, masked_groups, run_rollouts
+        from clawpipe.sandbox.manifest import default_harness_dirs
+
+        dirs = [*harness_dir, *default_harness_dirs()]
+        manifest = find_harness(harness, dirs)
+        task_sets: dict[str, object] = {}
+        if task_file is not None:
+            instances = load_task_file(task_file)
+        else:
+            from clawpipe.tasks import get_task_set
+
+            name = tasks or (manifest.task_sets[0] if manifest.task_sets else None)
+            if name is None:
+                raise ConfigError("give --tasks NAME (the harness declares no task_sets) or --task-file")
+            ts = get_task_set(name)
+            task_sets[ts.name] = ts
+            instances = ts.generate(n, seed, split)
+        specs = [
+            RolloutSpec(
+                run_id=run_id,
+                iteration=iteration,
+                harness=manifest,
+                task=task,
+                model=model,
+                group_id=task["task_id"],
+                sample_idx=k,
+                eval=split == "eval",
+            )
+            for task in instances
+            for k in range(samples)
+        ]
+        console = Console(stderr=True)
+        counts: dict[str, int] = {}
+        with Progress(
+            TextColumn("[bold]rollouts"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+        ) as bar:
+            job = bar.add_task("", total=len(specs))
+
+            def progress(result: object, done: int, total: int) -> None:
+                status = str(result.status)  # type: ignore[attr-defined]
+                counts[status] = counts.get(status, 0) + 1
+                bar.update(job, completed=done, description=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+            out = run_rollouts(
+                specs,
+                proxy_url=proxy,
+                backend=backend,
+                concurrency=concurrency,
+                results_path=results,
+                progress=progress,
+                task_sets=task_sets,
+                harness_dirs=dirs,
+                max_attempts=max_attempts,
+                keep_workdirs=keep_workdirs,
+                timeout_s=timeout,
+            )
+        table = Table("rollout", "status", "exit", "reward", "calls", "seconds", title=f"{manifest.name} on {backend}")
+        for r in out:
+            reward = "-" if r.reward is None else f"{r.reward:.3f}"
+            table.add_row(r.rollout_id, str(r.status), str(r.exit_code), reward, str(r.n_calls), f"{r.duration_s:.2f}")
+        Console().print(table)
+        rewards = [r.reward for r in out if r.reward is not None]
+        mean = sum(rewards) / len(rewards) if rewards else float("nan")
+        masked = masked_groups(out)
+        typer.echo(
+            f"{len(out)} rollouts: {', '.join(f'{k}={v}' for k, v in sorted(counts.items()))}; "
+            f"mean reward {mean:.3f}; masked groups {len(masked)}"
+        )
+        if any(r.status == "infra_error" for r in out):
+            raise typer.Exit(1)
+
+
+@harness_app.command("list")
+def harness_list(
+    harness_dir: list[Path] = typer.Option([], "--harness-dir", help="Extra folder holding <name>/harness.toml."),
+) -> None:
+    """List the harnesses found (name, API, task sets, description); invalid manifests are flagged."""
+    from clawpipe.errors import ManifestError
+    from clawpipe.sandbox import list_harnesses, load_manifest
+    from clawpipe.sandbox.manifest import default_harness_dirs
+
+    for path in list_harnesses([*harness_dir, *default_harness_dirs()]):
+        try:
+            m = load_manifest(path)
+            typer.echo(f"{m.name:20} {m.api:10} {','.join(m.task_sets):20} {m.description}")
+        except ManifestError as exc:
+            typer.secho(f"{path.parent.name:20} INVALID    {exc}", fg="red")
+
+
+@harness_app.command("check")
+def harness_check(
+    name: str = typer.Argument(..., help="Harness name or folder."),
+    harness_dir: list[Path] = typer.Option([], "--harness-dir", help="Extra folder holding <name>/harness.toml."),
+) -> None:
+    """Validate one manifest and print what the runner will execute."""
+    from clawpipe.sandbox import find_harness
+    from clawpipe.sandbox.backends.base import INNER_HARNESS
+    from clawpipe.sandbox.manifest import default_harness_dirs
+
+    m = find_harness(name, [*harness_dir, *default_harness_dirs()])
+    typer.echo(f"{m.name}: ok")
+    typer.echo(f"  command (sandbox): {' '.join(m.resolve_command(INNER_HARNESS))}")
+    typer.echo(f"  api={m.api} task_sets={list(m.task_sets)} timeout_s={m.timeout_s}")
+    typer.echo(f"  memory_mb={m.limits.memory_mb} cpus={m.limits.cpus} pids={m.limits.pids}")
+    for p in m.ro_paths:
+        typer.echo(f"  ro_path {p} {'(present)' if p.exists() else '(MISSING)'}")

@@ -1,0 +1,115 @@
+"""CLI of the serving room: `clawpipe model init` and `clawpipe serve` (local engine or vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+model_app = typer.Typer(help="Build and inspect policies.", no_args_is_help=True)
+
+
+@model_app.command("init")
+def model_init(
+    dir: Path = typer.Argument(..., help="Directory to write the policy into (created)."),
+    size: str = typer.Option("tiny", "--size", help="tiny (~0.2M params) or small (~3.4M)."),
+    seed: int = typer.Option(0, "--seed", help="Seed: the same seed gives the same weights and tokenizer."),
+) -> None:
+    """Build the default policy (byte-level BPE tokenizer + Qwen2 model from config), no download."""
+    from clawpipe.serving.policy import init_policy
+
+    out = init_policy(dir, size=size, seed=seed)
+    typer.echo(f"policy written to {out}")
+
+
+@model_app.command("publish")
+def model_publish(
+    dir: Path = typer.Argument(..., help="Checkpoint directory (save_pretrained) to serve."),
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Base URL of the running server."),
+    policy_version: int = typer.Option(..., "--policy-version", help="Version the server reports from now on."),
+    engine: str = typer.Option("local", "--engine", help="local (POST /admin/reload) or vllm."),
+    served_dir: Path | None = typer.Option(None, "--served-dir", help="vllm: the directory vLLM was started on."),
+) -> None:
+    """Load a new checkpoint into a running server (in-flight requests finish on the old weights first)."""
+    if engine == "vllm":
+        from clawpipe.serving.vllm import reload_vllm_weights
+
+        if served_dir is None:
+            raise typer.BadParameter("--served-dir is required with --engine vllm")
+        reload_vllm_weights(url, dir, served_dir)
+        typer.echo(f"vLLM at {url} reloaded weights from {dir}")
+        return
+    from clawpipe.config import get_settings
+    from clawpipe.serving.client import request_reload
+
+    answer = request_reload(url, dir.resolve(), policy_version, get_settings().admin())
+    typer.echo(f"serving {answer['path']} as policy_version {answer['policy_version']}")
+
+
+def serve(
+    model: str = typer.Option(
+        ..., "--model", help="Model directory, or a Hugging Face id (vLLM; local engine: only if cached)."
+    ),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    engine: str = typer.Option("local", "--engine", help="local (transformers, batching) or vllm (GPU)."),
+    served_name: str | None = typer.Option(None, "--served-name", help="Model name clients send (default: dir name)."),
+    max_batch: int = typer.Option(64, "--max-batch", help="Most sequences decoded together (1 = no batching)."),
+    kv_budget_tokens: int = typer.Option(
+        262144, "--kv-budget-tokens", help="KV cache bound in tokens (rows x longest reservation); requests queue."
+    ),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context limit (default: the model's)."),
+    policy_version: int = typer.Option(0, "--policy-version", help="Version reported until the first reload."),
+    default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="max_tokens when a request has none."),
+    max_tokens_cap: int | None = typer.Option(
+        None, "--max-tokens-cap", help="Clamp every request's max_tokens (CPU runs behind chatty harnesses)."
+    ),
+    prefix_cache_tokens: int = typer.Option(
+        65536, "--prefix-cache-tokens", help="KV of recent long prompts kept for reuse by later prompts (0: off)."
+    ),
+    device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    tool_parser: str = typer.Option("hermes", "--tool-parser", help="vLLM tool-call parser."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="vllm: print the command instead of running it."),
+) -> None:
+    """Serve a policy over the OpenAI and Anthropic APIs, with token ids and logprobs on every response."""
+    if engine == "vllm":
+        from clawpipe.serving.vllm import VllmOptions, build_vllm_command, start_vllm
+
+        opts = VllmOptions(
+            model=model,
+            served_name=served_name,
+            host=host,
+            port=port,
+            tool_parser=tool_parser,
+            max_model_len=max_model_len,
+            max_num_seqs=max_batch,
+        )
+        if dry_run:
+            cmd, env = build_vllm_command(opts)
+            typer.echo(" ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
+            return
+        raise typer.Exit(start_vllm(opts).wait())
+    if engine != "local":
+        raise typer.BadParameter("--engine must be local or vllm")
+    from clawpipe.serving.server import run_server
+
+    run_server(
+        model,
+        port=port,
+        host=host,
+        served_name=served_name,
+        device=device,
+        max_batch=max_batch,
+        kv_budget_tokens=kv_budget_tokens,
+        max_model_len=max_model_len,
+        policy_version=policy_version,
+        default_max_tokens=default_max_tokens,
+        max_tokens_cap=max_tokens_cap,
+        prefix_cache_tokens=prefix_cache_tokens,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    """Add `model` and `serve` to the clawpipe CLI."""
+    app.add_typer(model_app, name="model")
+    app.command("serve")(serve)

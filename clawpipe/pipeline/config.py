@@ -1,0 +1,111 @@
+"""Run settings of one pipeline run: validated, loadable from TOML, overridable from the CLI, logged whole.
+
+An invalid config fails before anything starts, naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from clawpipe.errors import ConfigError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class HarnessEntry(BaseModel):
+    """One harness trained through in this run, with the task set it plays."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Harness folder name under harnesses/ (e.g. chat-loop).")
+    task_set: str = Field(description="Task set the harness plays (e.g. guess, calc, fixit).")
+    weight: float = Field(default=1.0, gt=0, description="Loss weight of this harness's rollouts.")
+    groups: int | None = Field(
+        default=None, ge=1, description="Groups per iteration for this harness; default run.groups."
+    )
+
+
+class PipelineConfig(BaseModel):
+    """One pipeline run: rollout -> land -> reconstruct -> train -> publish, for N iterations."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_name: str = Field(default="default", description="Human name; the run_id adds a timestamp to it.")
+    experiment: str = Field(default="clawpipe", description="MLflow experiment the run is logged to.")
+    iterations: int = Field(default=10, ge=1, le=10_000, description="Training iterations.")
+    harnesses: list[HarnessEntry] = Field(
+        default_factory=lambda: [
+            HarnessEntry(name="chat-loop", task_set="guess"),
+            HarnessEntry(name="compacting-agent", task_set="guess"),
+        ],
+        min_length=1,
+        description="Harnesses trained through at once (mix-harness).",
+    )
+    groups: int = Field(default=4, ge=1, description="GRPO groups (distinct tasks) per harness per iteration.")
+    samples: int = Field(default=4, ge=1, description="Rollouts per group (the GRPO group size).")
+    eval_tasks: int = Field(
+        default=4, ge=0, description="Held-out tasks per harness evaluated greedily each iteration."
+    )
+    eval_every: int = Field(default=1, ge=1, description="Evaluate every N iterations (and after the last).")
+    seed: int = Field(default=0, description="Seed of task sampling and the default policy.")
+    backend: Literal["bwrap", "docker", "process"] = Field(default="bwrap", description="Sandbox backend.")
+    concurrency: int = Field(default=8, ge=1, le=1024, description="Sandboxes running at once (global limit).")
+    policy: str | None = Field(
+        default=None, description="Initial policy directory; default: the tiny policy built under <home>/models."
+    )
+    policy_size: Literal["tiny", "small"] = Field(default="tiny", description="Size of the default policy.")
+    engine: Literal["local", "vllm"] = Field(default="local", description="Serving engine.")
+    served_name: str = Field(default="clawpipe-policy", description="Model name harnesses ask for.")
+    rollout_timeout_s: float | None = Field(default=None, gt=0, description="Override of each manifest's timeout.")
+    train: dict[str, Any] = Field(
+        default_factory=dict, description="Trainer settings (clawpipe.train config fields), validated by the trainer."
+    )
+
+    @field_validator("run_name", "experiment", "served_name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> PipelineConfig:
+        names = [(h.name, h.task_set) for h in self.harnesses]
+        if len(set(names)) != len(names):
+            raise ValueError("harnesses: each (name, task_set) pair may appear once")
+        if self.samples < 2:
+            raise ValueError("samples: GRPO needs at least 2 rollouts per group to compare")
+        return self
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(config)"
+        parts.append(f"{loc}: {err['msg']}")
+    return f"invalid pipeline config ({source}): " + "; ".join(parts)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> PipelineConfig:
+    """Load a TOML config (or the defaults) and apply CLI overrides (None values are ignored)."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass an existing TOML file or omit --config")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+        source = str(p)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, source)) from exc

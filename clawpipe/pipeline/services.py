@@ -1,0 +1,172 @@
+"""The long-lived services of a run: the policy server and the capture proxy in front of it.
+
+Both run as their own processes (``clawpipe serve``, ``clawpipe proxy``), so the run's process tree shows
+where CPU and memory go, and a crash of one is visible as an exit code. Publishing a checkpoint pauses the
+proxy (new calls wait, in-flight calls drain), reloads the server, and resumes the proxy with the new
+policy_version stamped on every later call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clawpipe.errors import ServingError
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Services:
+    """Handles of the serving engine and the proxy processes; use as a context manager."""
+
+    policy_dir: Path
+    capture_dir: Path
+    log_dir: Path
+    admin_token: str
+    served_name: str = "clawpipe-policy"
+    policy_version: int = 0
+    serve_args: list[str] = field(default_factory=list)
+    serving_url: str = ""
+    proxy_url: str = ""
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, timeout: float = 120.0) -> Services:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        serve_port, proxy_port = free_port(), free_port()
+        self.serving_url = f"http://127.0.0.1:{serve_port}"
+        self.proxy_url = f"http://127.0.0.1:{proxy_port}"
+        cli = [sys.executable, "-m", "clawpipe"]
+        self._spawn(
+            "serving",
+            [
+                *cli,
+                "serve",
+                "--model",
+                str(self.policy_dir),
+                "--port",
+                str(serve_port),
+                "--served-name",
+                self.served_name,
+                "--policy-version",
+                str(self.policy_version),
+                *self.serve_args,
+            ],
+        )
+        self._spawn(
+            "proxy",
+            [
+                *cli,
+                "proxy",
+                "--upstream",
+                f"{self.serving_url}/v1",
+                "--port",
+                str(proxy_port),
+                "--capture-dir",
+                str(self.capture_dir),
+                "--tokenizer",
+                str(self.policy_dir),
+                "--policy-version",
+                str(self.policy_version),
+                "--segment-age",
+                "5",
+            ],
+        )
+        self._wait(f"{self.serving_url}/health", "serving", timeout)
+        self._wait(f"{self.proxy_url}/admin/health", "proxy", timeout)
+        log.info("services up serving=%s proxy=%s", self.serving_url, self.proxy_url)
+        return self
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Same process group as the run (a kill of the run's group ends them too) and a parent-death signal,
+        # so a killed run never leaves a server holding its port. The child keeps its own copy of the log fd.
+        with open(self.log_dir / f"{name}.log", "ab") as out:
+            self._procs.append(
+                subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+            )
+
+    def _wait(self, url: str, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        headers = {"authorization": f"Bearer {self.admin_token}"}
+        while time.monotonic() < deadline:
+            for p in self._procs:
+                if p.poll() is not None:
+                    tail = _tail(self.log_dir, p)
+                    raise ServingError(f"{name} exited with {p.returncode} while starting; log tail:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, headers=headers, timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise ServingError(f"{name} did not answer at {url} within {timeout:.0f}s; see {self.log_dir}/{name}.log")
+
+    def publish(self, checkpoint: Path, policy_version: int) -> None:
+        publish(self.serving_url, self.proxy_url, self.admin_token, checkpoint, policy_version)
+        self.policy_version = policy_version
+
+    def health(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.serving_url}/health", timeout=5).json())
+
+    def stop(self) -> None:
+        for p in reversed(self._procs):  # the proxy first: it seals its segment on SIGTERM
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self._procs.clear()
+
+    def __enter__(self) -> Services:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _admin(url: str, token: str, body: dict[str, Any] | None = None, timeout: float = 300.0) -> dict[str, Any]:
+    r = httpx.post(url, json=body or {}, headers={"authorization": f"Bearer {token}"}, timeout=timeout)
+    if r.status_code != 200:
+        raise ServingError(f"POST {url} answered {r.status_code}: {r.text[:500]}")
+    return dict(r.json())
+
+
+def publish(serving_url: str, proxy_url: str, admin_token: str, checkpoint: Path, policy_version: int) -> None:
+    """Pause the proxy (new calls wait, in-flight drain), reload the engine, resume with the new version."""
+    _admin(f"{proxy_url}/admin/pause", admin_token)
+    try:
+        _admin(f"{serving_url}/admin/reload", admin_token, {"path": str(checkpoint), "policy_version": policy_version})
+    finally:
+        _admin(f"{proxy_url}/admin/resume", admin_token, {"policy_version": policy_version})
+    log.info("published policy_version=%d from %s", policy_version, checkpoint)
+
+
+def _tail(log_dir: Path, proc: subprocess.Popen[bytes]) -> str:
+    logs = sorted(log_dir.glob("*.log"), key=lambda f: f.stat().st_mtime)
+    return "\n".join(f"[{f.name}] " + f.read_text(errors="replace")[-1500:] for f in logs[-2:])

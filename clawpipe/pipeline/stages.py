@@ -1,0 +1,272 @@
+"""The stages of one iteration as plain functions (flows/ wires them into Prefect tasks).
+
+rollout -> land -> reconstruct -> train -> publish, plus greedy evaluation. Each stage writes its own
+partition or file, so a stage retried after a partial write leaves exactly-once data: rollout results are
+keyed by rollout id (the latest attempt wins at landing), landing is idempotent by call id, tree and
+training outputs replace their partition or checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from clawpipe.config import Settings
+from clawpipe.errors import ConfigError, TrainingError
+from clawpipe.pipeline.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
+def check_prerequisites(cfg: PipelineConfig) -> None:
+    """Fail before anything starts when a harness, task set or sandbox tool is missing."""
+    import shutil
+
+    from clawpipe.sandbox.manifest import find_harness
+    from clawpipe.tasks import get_task_set
+
+    for h in cfg.harnesses:
+        manifest = find_harness(h.name)
+        get_task_set(h.task_set)
+        if h.task_set not in manifest.task_sets:
+            raise ConfigError(
+                f"harnesses: {h.name} does not support task set {h.task_set!r}; it supports {manifest.task_sets}"
+            )
+    if cfg.backend == "bwrap" and shutil.which("bwrap") is None:
+        raise ConfigError("backend bwrap needs bubblewrap: apt-get install -y bubblewrap, or set backend = 'process'")
+    if cfg.backend == "docker" and shutil.which("dockerd") is None and not os.environ.get("DOCKER_HOST"):
+        raise ConfigError("backend docker needs a Docker engine (apt-get install -y docker.io) or DOCKER_HOST")
+
+
+def ensure_policy(cfg: PipelineConfig, settings: Settings) -> Path:
+    """The initial policy: the configured directory, or the default tiny policy, built on first use."""
+    if cfg.policy:
+        path = Path(cfg.policy).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"policy: {path} has no config.json; give a saved transformers model directory")
+        return path
+    path = settings.models_dir / f"default-{cfg.policy_size}-seed{cfg.seed}"
+    if not (path / "config.json").is_file():
+        log.info("building the default %s policy at %s", cfg.policy_size, path)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "clawpipe",
+                "model",
+                "init",
+                str(path),
+                "--size",
+                cfg.policy_size,
+                "--seed",
+                str(cfg.seed),
+            ],
+            check=True,
+            capture_output=True,
+        )
+    return path
+
+
+def sample_specs(
+    cfg: PipelineConfig, run_id: str, iteration: int, *, policy_version: int, evaluation: bool = False
+) -> list[Any]:
+    """RolloutSpecs for one iteration: groups x samples per harness (train), or one greedy rollout per
+    held-out task per harness (evaluation, marked eval so training never sees it)."""
+    from clawpipe.sandbox.runner import RolloutSpec
+    from clawpipe.tasks import get_task_set
+
+    specs = []
+    for h in cfg.harnesses:
+        task_set = get_task_set(h.task_set)
+        if evaluation:
+            tasks = task_set.generate(cfg.eval_tasks, seed=cfg.seed, split="eval")
+            samples = 1
+        else:
+            tasks = task_set.generate(h.groups or cfg.groups, seed=_seed(cfg.seed, iteration, h.name), split="train")
+            samples = cfg.samples
+        for task in tasks:
+            if evaluation:
+                task = {**task, "sampling": {**task.get("sampling", {}), "temperature": 0.0}}
+            prefix = "eval." if evaluation else ""
+            group_id = f"{prefix}{h.name}.{task['task_id']}"
+            for k in range(samples):
+                specs.append(
+                    RolloutSpec(
+                        run_id=run_id,
+                        iteration=iteration,
+                        harness=h.name,
+                        task=task,
+                        model=cfg.served_name,
+                        group_id=group_id,
+                        sample_idx=k,
+                        policy_version=policy_version,
+                        eval=evaluation,
+                    )
+                )
+    return specs
+
+
+def run_rollouts(
+    cfg: PipelineConfig,
+    specs: list[Any],
+    *,
+    proxy_url: str,
+    settings: Settings,
+    batch_id: str,
+    progress: Callable[[Any, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the specs in sandboxes through the proxy; return counts and rewards per harness.
+
+    Retry-safe (a Prefect retry, or a resumed run after a kill): a rollout that already has a final result
+    row in this batch's results file is not run again. One that was cut off has calls captured under its
+    old rollout id but no result row; on attempt N > 1 of the batch (counted on disk) it runs again as
+    ``<id>.a<N>`` in the same GRPO group, so the cut-off calls never mix into the new rollout's tree (they
+    stay visible to the ``calls_without_rollout`` audit).
+    """
+    import dataclasses
+
+    from clawpipe.capture import read_results
+    from clawpipe.sandbox.runner import default_results_path
+    from clawpipe.sandbox.runner import run_rollouts as run
+
+    if not specs:
+        return summarize_results([])
+    first = specs[0]
+    results_path = default_results_path(first.run_id, first.iteration, batch_id, settings.captures_dir)
+    attempt = _next_attempt(results_path.with_suffix(".attempts"))
+    done: dict[str, dict[str, Any]] = {}
+    if results_path.is_file():
+        for _, row, _ in read_results(results_path):
+            if row and row.get("status") != "infra_error":
+                done[str(row["rollout_id"])] = row
+    todo, kept = [], []
+    for spec in specs:
+        ids = [spec.id] + [f"{spec.id}.a{n}" for n in range(2, attempt + 1)]
+        finished = [done[i] for i in ids if i in done]
+        if finished:
+            kept.append(finished[-1])
+        else:
+            todo.append(spec if attempt == 1 else dataclasses.replace(spec, rollout_id=ids[-1]))
+    if kept:
+        log.info("batch %s attempt %d: %d rollouts already done, %d to run", batch_id, attempt, len(kept), len(todo))
+    options: dict[str, Any] = {"batch_id": batch_id}
+    if cfg.rollout_timeout_s:
+        options["timeout_s"] = cfg.rollout_timeout_s
+    results = run(
+        todo,
+        proxy_url=proxy_url,
+        backend=cfg.backend,
+        concurrency=cfg.concurrency,
+        results_path=results_path,
+        progress=progress,
+        **options,
+    )
+    return summarize_results(kept + [r.to_row() for r in results])
+
+
+def _next_attempt(counter: Path) -> int:
+    counter.parent.mkdir(parents=True, exist_ok=True)
+    attempt = (int(counter.read_text()) if counter.is_file() else 0) + 1
+    tmp = counter.with_suffix(".tmp")
+    tmp.write_text(str(attempt))
+    os.replace(tmp, counter)
+    return attempt
+
+
+def summarize_results(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean reward, rollouts and statuses per harness (failed rollouts count with reward 0)."""
+    rewards: dict[str, list[float]] = defaultdict(list)
+    statuses: dict[str, int] = defaultdict(int)
+    for row in rows:
+        statuses[row["status"]] += 1
+        if row["status"] != "infra_error":
+            rewards[row["harness"]].append(float(row["reward"] or 0.0))
+    by_harness = {h: {"n": len(v), "reward_mean": sum(v) / len(v)} for h, v in rewards.items()}
+    every = [x for v in rewards.values() for x in v]
+    return {
+        "n": len(rows),
+        "reward_mean": sum(every) / len(every) if every else 0.0,
+        "by_harness": by_harness,
+        "statuses": dict(statuses),
+    }
+
+
+def land_captures(settings: Settings) -> dict[str, Any]:
+    """Land every new capture record and rollout result into the lake (idempotent)."""
+    from clawpipe.lake import land
+
+    return land(settings.captures_dir, settings.lake_dir).as_dict()
+
+
+def reconstruct(settings: Settings, run_id: str, iteration: int) -> dict[str, Any]:
+    """Rebuild the iteration's prefix trees (replaces its tree partitions)."""
+    from dataclasses import asdict
+
+    from clawpipe.trees import build_trees
+
+    (summary,) = build_trees(settings.lake_dir, run_id, iteration)
+    return asdict(summary)
+
+
+def train(
+    cfg: PipelineConfig,
+    settings: Settings,
+    run_id: str,
+    iteration: int,
+    *,
+    policy_dir: Path,
+    out_dir: Path,
+    mlflow_run_id: str | None = None,
+) -> dict[str, Any]:
+    """One training step in its own process; returns {checkpoint, policy_version, metrics}.
+
+    With ``mlflow_run_id`` the trainer logs its config and per-step metrics into that (the pipeline's) run.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "train.toml"
+    config_path.write_text(_toml(cfg.train))
+    metrics_path = out_dir / f"metrics-{iteration}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "clawpipe",
+        "train",
+        "--run",
+        run_id,
+        "--iteration",
+        str(iteration),
+        "--config",
+        str(config_path),
+        "--policy",
+        str(policy_dir),
+        "--out",
+        str(out_dir),
+        "--metrics-out",
+        str(metrics_path),
+        *(["--mlflow-run-id", mlflow_run_id] if mlflow_run_id else ["--no-track"]),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise TrainingError(f"training step failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return dict(json.loads(metrics_path.read_text()))
+
+
+def _toml(values: dict[str, Any]) -> str:
+    lines = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            raise ConfigError(f"train.{key}: nested tables are not trainer settings")
+        lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,56 @@
+"""Run state on disk, so a killed run resumes from its last completed iteration.
+
+``<home>/runs/<run_id>/state.json`` holds the config, the current policy (directory and version), the
+MLflow run id and one summary per completed iteration. It is rewritten atomically after each iteration,
+after that iteration's lake partitions and checkpoint exist, so it never points at missing data.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clawpipe.errors import ConfigError
+
+
+@dataclass
+class RunState:
+    run_id: str
+    config: dict[str, Any]
+    policy_dir: str
+    policy_version: int = 0
+    mlflow_run_id: str | None = None
+    completed: list[dict[str, Any]] = field(default_factory=list)  # one summary per finished iteration
+    peak_memory_mb: float = 0.0
+
+    @property
+    def next_iteration(self) -> int:
+        return len(self.completed)
+
+    def save(self, runs_dir: Path) -> Path:
+        path = runs_dir / self.run_id / "state.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2, default=str))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, runs_dir: Path, run_id: str) -> RunState:
+        path = runs_dir / run_id / "state.json"
+        if not path.is_file():
+            known = (
+                sorted(p.name for p in runs_dir.glob("*") if (p / "state.json").is_file()) if runs_dir.is_dir() else []
+            )
+            raise ConfigError(f"no run {run_id!r} to resume under {runs_dir}; known runs: {known or 'none'}")
+        return cls(**json.loads(path.read_text()))
+
+
+def new_run_id(run_name: str) -> str:
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', run_name)}-{stamp}"

@@ -1,0 +1,11 @@
+"""The capture proxy room: forwards harness model calls to the policy servers and records each one durably.
+
+Public API: :class:`ProxyServer` (``start()`` in a background thread / ``stop()``), :class:`ProxyConfig`,
+and :func:`run_proxy` (blocking, for the CLI). See ``clawpipe/proxy/server.py`` for the guarantees.
+"""
+
+from __future__ import annotations
+
+from clawpipe.proxy.server import ProxyConfig, ProxyServer, run_proxy
+
+__all__ = ["ProxyConfig", "ProxyServer", "run_proxy"]

@@ -1,0 +1,63 @@
+"""Admin endpoints of the proxy (``/admin/...``), all behind ``Authorization: Bearer <admin token>``.
+
+``GET /admin/health``, ``GET /admin/stats``, ``POST /admin/pause`` (``{"wait_s": s}``: new calls wait,
+returns once in-flight calls drained), ``POST /admin/resume`` (``{"policy_version": n}`` optional),
+``GET|POST /admin/policy_version`` (``{"policy_version": n}``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from clawpipe.proxy import wire
+from clawpipe.proxy.conn import ClientConn
+
+if TYPE_CHECKING:
+    from clawpipe.proxy.server import ProxyServer
+
+
+async def handle_admin(proxy: ProxyServer, conn: ClientConn, req: wire.Request) -> None:
+    keep = req.keep_alive
+    token = req.headers.get(b"authorization", b"")
+    if not proxy.is_admin(token):
+        proxy.stats["unauthorized"] += 1
+        conn.write(
+            wire.error_response(401, "admin endpoints need Authorization: Bearer <admin token>", anthropic=False)
+        )
+        conn.finish(keep)
+        return
+    try:
+        args = json.loads(req.body) if req.body.strip() else {}
+        if not isinstance(args, dict):
+            raise ValueError("body must be a JSON object")
+    except ValueError as exc:
+        conn.write(wire.error_response(400, f"admin body is not a JSON object: {exc}", anthropic=False))
+        conn.finish(keep)
+        return
+    path, method = req.path, req.method
+    status, out = 200, None
+    if path == "/admin/health" and method == "GET":
+        out = proxy.health()
+    elif path == "/admin/stats" and method == "GET":
+        out = proxy.snapshot_stats()
+    elif path == "/admin/pause" and method == "POST":
+        out = await proxy.pause_calls(float(args.get("wait_s", proxy.config.drain_timeout_s)))
+    elif path == "/admin/resume" and method == "POST":
+        version = args.get("policy_version")
+        if version is not None and not isinstance(version, int):
+            status, out = 400, {"error": {"message": "policy_version must be an integer"}}
+        else:
+            out = proxy.resume_calls(version)
+    elif path == "/admin/policy_version" and method in ("GET", "POST", "PUT"):
+        if method != "GET":
+            if not isinstance(args.get("policy_version"), int):
+                status, out = 400, {"error": {"message": 'send {"policy_version": <int>}'}}
+            else:
+                proxy.policy_version = args["policy_version"]
+        if out is None:
+            out = {"policy_version": proxy.policy_version}
+    else:
+        status, out = 404, {"error": {"message": f"unknown admin endpoint {method} {path}"}}
+    conn.write(wire.json_response(status, out, keep_alive=keep))
+    conn.finish(keep)

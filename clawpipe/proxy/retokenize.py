@@ -1,0 +1,242 @@
+"""Fallback token ids for calls whose upstream returned none (``token_source="retokenized"``).
+
+Uses the served model's ``tokenizer.json`` (the ``tokenizers`` library) and its chat template (jinja2, as
+``transformers`` renders it) — never ``transformers`` itself, which must stay out of the proxy. Runs in a
+worker thread before the capture write, so the event loop never tokenizes. Re-encoded ids are an
+approximation of what the sampler saw (NOTES.md: retokenization); the header marks them so the lake and
+the trainer can keep them apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from clawpipe.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+class Retokenizer:
+    """Tokenizer + chat template of one model directory."""
+
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        d = Path(model_dir)
+        tok_file = d / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ConfigError(f"no tokenizer.json in {d}: pass the served model's directory as --tokenizer")
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        config: dict[str, Any] = {}
+        if (d / "tokenizer_config.json").is_file():
+            config = json.loads((d / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        if not template:
+            raise ConfigError(f"no chat template in {d} (tokenizer_config.json chat_template or chat_template.jinja)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(template)
+        self.eos_token = _token_text(config.get("eos_token")) or ""
+        self.bos_token = _token_text(config.get("bos_token")) or ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation_prompt: bool) -> str:
+        return self.template.render(
+            messages=messages,
+            tools=tools or None,
+            add_generation_prompt=generation_prompt,
+            eos_token=self.eos_token,
+            bos_token=self.bos_token,
+        )
+
+    def retokenize(self, api: str, request: bytes, response: bytes, stream: bool) -> dict[str, Any]:
+        """``{"prompt_token_ids": [...], "choices": [{"token_ids": [...]}]}`` for one captured call."""
+        req = json.loads(request)
+        choices = _completions(api, response, stream)
+        if api == "completions":
+            prompt = req.get("prompt", "")
+            prompt_ids = self.encode(prompt if isinstance(prompt, str) else "".join(map(str, prompt)))
+            return {"prompt_token_ids": prompt_ids, "choices": [{"token_ids": self.encode(t)} for t, _ in choices]}
+        messages, tools = _chat_messages(api, req)
+        prompt_ids = self.encode(self.render(messages, tools, generation_prompt=True))
+        out = []
+        for text, tool_calls in choices:
+            body = text
+            for call in tool_calls:
+                body += "<tool_call>" + json.dumps(call, ensure_ascii=False) + "</tool_call>"
+            out.append({"token_ids": self.encode(body + self.eos_token)})
+        return {"prompt_token_ids": prompt_ids, "choices": out}
+
+
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for block in content:
+            if isinstance(block, dict):
+                if "text" in block:
+                    parts.append(str(block["text"]))
+                elif block.get("type") == "tool_result":
+                    parts.append(_text_of(block.get("content")))
+                elif "output" in block:
+                    parts.append(_text_of(block["output"]))
+            elif isinstance(block, str):
+                parts.append(block)
+        return "".join(parts)
+    return "" if content is None else str(content)
+
+
+def _chat_messages(api: str, req: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """The request's conversation as chat-template messages."""
+    tools = req.get("tools")
+    if api == "chat":
+        msgs = [dict(m, content=_text_of(m.get("content"))) for m in req.get("messages", [])]
+        return msgs, tools
+    msgs = []
+    if api == "messages":
+        system = req.get("system")
+        if system:
+            msgs.append({"role": "system", "content": _text_of(system)})
+        for m in req.get("messages", []):
+            msgs.append({"role": m.get("role", "user"), "content": _text_of(m.get("content"))})
+        return msgs, tools
+    # responses
+    if req.get("instructions"):
+        msgs.append({"role": "system", "content": str(req["instructions"])})
+    items = req.get("input", "")
+    if isinstance(items, str):
+        msgs.append({"role": "user", "content": items})
+    else:
+        for item in items:
+            if item.get("type") in (None, "message"):
+                msgs.append({"role": item.get("role", "user"), "content": _text_of(item.get("content"))})
+            elif item.get("type") == "function_call_output":
+                msgs.append({"role": "tool", "content": _text_of(item.get("output"))})
+            elif item.get("type") == "function_call":
+                msgs.append({"role": "assistant", "content": f"<tool_call>{item.get('arguments', '')}</tool_call>"})
+    return msgs, tools
+
+
+def _sse_events(raw: bytes) -> list[dict[str, Any]]:
+    events = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload and payload != b"[DONE]":
+                try:
+                    events.append(json.loads(payload))
+                except ValueError:
+                    continue
+    return events
+
+
+def _completions(api: str, response: bytes, stream: bool) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Per choice: (text, tool calls as {"name", "arguments"})."""
+    if not stream:
+        obj = json.loads(response)
+        if api == "chat":
+            out = []
+            for c in obj.get("choices", []):
+                msg = c.get("message") or {}
+                calls = [
+                    {"name": t["function"]["name"], "arguments": _json_or_str(t["function"].get("arguments"))}
+                    for t in msg.get("tool_calls") or []
+                ]
+                out.append((msg.get("content") or "", calls))
+            return out
+        if api == "completions":
+            return [(c.get("text", ""), []) for c in obj.get("choices", [])]
+        if api == "messages":
+            text = "".join(b.get("text", "") for b in obj.get("content", []) if b.get("type") == "text")
+            calls = [
+                {"name": b["name"], "arguments": b.get("input", {})}
+                for b in obj.get("content", [])
+                if b.get("type") == "tool_use"
+            ]
+            return [(text, calls)]
+        return [_responses_output(obj)]
+    events = _sse_events(response)
+    if api in ("chat", "completions"):
+        texts: dict[int, str] = {}
+        slots: dict[int, dict[int, dict[str, str]]] = {}
+        for ev in events:
+            for c in ev.get("choices") or []:
+                i = c.get("index", 0)
+                if api == "completions":
+                    texts[i] = texts.get(i, "") + (c.get("text") or "")
+                    continue
+                delta = c.get("delta") or {}
+                texts[i] = texts.get(i, "") + (delta.get("content") or "")
+                for t in delta.get("tool_calls") or []:
+                    slot = slots.setdefault(i, {}).setdefault(t.get("index", 0), {"name": "", "arguments": ""})
+                    fn = t.get("function") or {}
+                    slot["name"] += fn.get("name") or ""
+                    slot["arguments"] += fn.get("arguments") or ""
+        return [
+            (
+                texts.get(i, ""),
+                [
+                    {"name": s["name"], "arguments": _json_or_str(s["arguments"])}
+                    for _, s in sorted(slots.get(i, {}).items())
+                ],
+            )
+            for i in sorted(set(texts) | set(slots))
+        ]
+    if api == "messages":
+        text, blocks = "", {}
+        for ev in events:
+            if ev.get("type") == "content_block_start" and ev["content_block"].get("type") == "tool_use":
+                blocks[ev["index"]] = {"name": ev["content_block"]["name"], "arguments": ""}
+            elif ev.get("type") == "content_block_delta":
+                d = ev.get("delta", {})
+                if d.get("type") == "text_delta":
+                    text += d.get("text", "")
+                elif d.get("type") == "input_json_delta" and ev["index"] in blocks:
+                    blocks[ev["index"]]["arguments"] += d.get("partial_json", "")
+        return [(text, [{"name": b["name"], "arguments": _json_or_str(b["arguments"])} for b in blocks.values()])]
+    for ev in events:
+        if ev.get("type") == "response.completed":
+            return [_responses_output(ev.get("response", {}))]
+    return [("", [])]
+
+
+def _responses_output(obj: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    text, calls = "", []
+    for item in obj.get("output", []):
+        if item.get("type") == "message":
+            text += _text_of(item.get("content"))
+        elif item.get("type") == "function_call":
+            calls.append({"name": item.get("name"), "arguments": _json_or_str(item.get("arguments"))})
+    return text, calls
+
+
+def _json_or_str(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value else {}
+        except ValueError:
+            return value
+    return value

@@ -1,0 +1,55 @@
+"""Which paths the proxy serves, and how it asks the upstream for token ids (CONTRACTS A).
+
+The harness's body is forwarded with ``return_token_ids`` (and ``logprobs`` for chat/completions) added;
+the capture keeps the original body and records the change in the header's ``request_changes``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ROUTES = {
+    ("POST", "/v1/chat/completions"): "chat",
+    ("POST", "/v1/completions"): "completions",
+    ("POST", "/v1/responses"): "responses",
+    ("POST", "/v1/messages"): "messages",
+    ("GET", "/v1/models"): "models",
+}
+# Fields added to the forwarded body per API (CONTRACTS A); logprobs only when absent or falsy.
+WANTED_FIELDS: dict[str, dict[str, Any]] = {
+    "chat": {"return_token_ids": True, "logprobs": True},
+    "completions": {"return_token_ids": True, "logprobs": 1},
+    "responses": {"return_token_ids": True},
+    "messages": {"return_token_ids": True},
+}
+
+
+def prepare_body(api: str, body: bytes, obj: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """Ask the upstream for ids/logprobs; returns (forwarded body, request_changes).
+
+    When every field is simply missing, the fields are spliced in after the opening brace (no re-encoding
+    of a possibly large body); otherwise the object is re-serialized.
+    """
+    added: dict[str, Any] = {}
+    changed: dict[str, Any] = {}
+    for k, v in WANTED_FIELDS[api].items():
+        if k not in obj:
+            added[k] = v
+        elif (k == "return_token_ids" and obj[k] is not True) or (k == "logprobs" and not obj[k]):
+            changed[k] = [obj[k], v]
+    if not added and not changed:
+        return body, {}
+    changes: dict[str, Any] = {}
+    if added:
+        changes["added"] = added
+    if changed:
+        changes["changed"] = changed
+    if changed or not obj:
+        new = dict(obj)
+        new.update(added)
+        new.update({k: v[1] for k, v in changed.items()})
+        return json.dumps(new).encode(), changes
+    i = body.find(b"{")
+    ins = json.dumps(added, separators=(",", ":")).encode()[1:-1]
+    return b"".join((body[: i + 1], ins, b",", body[i + 1 :])), changes

@@ -1,0 +1,232 @@
+"""Durable capture: append framed call records to segment files with group commit.
+
+One writer thread owns the open segment. The event loop hands it ``(header, request, response)`` plus a
+callback; the thread frames every pending record (:func:`clawpipe.capture.encode_record`), writes them with
+one ``os.write``, fsyncs once for the whole batch, and only then fires the callbacks on the event loop (one
+wake-up per batch). The proxy releases a call's response (or the last bytes of a stream) to the harness in
+that callback, which is the guarantee: *a call whose response reached the harness is on disk*.
+
+Segments are ``<instance>-<n>.open`` while written and renamed to ``.seg`` when sealed (on rotation by size
+or age, and on shutdown). The writer holds an exclusive ``flock`` on its open segment; on start, every
+``.open`` segment in the directory whose lock is free belongs to a dead writer: its torn tail is cut
+(:func:`clawpipe.capture.recover_segment`) and it is sealed, so a crash loses nothing that was committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from clawpipe import capture
+from clawpipe.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+Done = Callable[[BaseException | None], None]
+
+
+def recover_dead_segments(directory: Path) -> list[Path]:
+    """Seal every ``.open`` segment in ``directory`` that no live writer holds; return the sealed paths."""
+    sealed: list[Path] = []
+    for path in sorted(directory.glob(f"*{capture.OPEN_SUFFIX}")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live writer owns it
+            cut = capture.recover_segment(path)
+            if cut:
+                log.warning("cut torn tail segment=%s bytes=%d", path.name, cut)
+            sealed.append(capture.seal_segment(path))
+            _fsync_dir(directory)
+        finally:
+            os.close(fd)
+    return sealed
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SegmentWriter:
+    """Group-committing appender of capture records (one thread, one open segment at a time).
+
+    Invariant: a record's callback fires only after the bytes of its frame were written and fsynced.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        instance: str,
+        max_bytes: int = 64 << 20,
+        max_age_s: float = 300.0,
+        fsync: bool = True,
+    ) -> None:
+        self.directory = Path(directory)
+        self.instance = instance
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self.fsync = fsync
+        self._cond = threading.Condition()
+        self._pending: list[tuple[dict[str, Any], bytes, bytes, Done]] = []
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._fd = -1
+        self._path: Path | None = None
+        self._size = 0
+        self._opened_at = 0.0
+        self._n = 0
+        self._post: Callable[[Callable[..., Any], Any], Any] | None = None
+        self.records = 0
+        self.batches = 0
+        self.bytes_written = 0
+        self.sealed: list[str] = []
+        self.failed: BaseException | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def start(self, post: Callable[[Callable[..., Any], Any], Any]) -> None:
+        """Recover dead segments, open a fresh one and start the thread.
+
+        ``post(fn, arg)`` schedules ``fn(arg)`` on the caller's event loop (``loop.call_soon_threadsafe``).
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        recover_dead_segments(self.directory)
+        existing = [
+            int(p.name[len(self.instance) + 1 :].split(".")[0])
+            for p in self.directory.glob(f"{self.instance}-*")
+            if p.name[len(self.instance) + 1 :].split(".")[0].isdigit()
+        ]
+        self._n = max(existing, default=-1) + 1
+        self._post = post
+        self._open_segment()
+        self._thread = threading.Thread(target=self._run, name=f"capture-{self.instance}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Commit what is pending, seal the open segment and stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def current_segment(self) -> str | None:
+        return self._path.name if self._path else None
+
+    # --- loop side -----------------------------------------------------------------------------------
+    def submit(self, header: dict[str, Any], request: bytes, response: bytes, done: Done) -> None:
+        """Queue one record; ``done(None)`` runs on the event loop once it is durable (``done(exc)`` on failure)."""
+        with self._cond:
+            if self._closing:
+                raise CaptureError("capture writer is closed; the proxy is shutting down")
+            self._pending.append((header, request, response, done))
+            if len(self._pending) == 1:
+                self._cond.notify()
+
+    # --- writer thread -------------------------------------------------------------------------------
+    def _open_segment(self) -> None:
+        path = self.directory / f"{self.instance}-{self._n:06d}{capture.OPEN_SUFFIX}"
+        self._n += 1
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _fsync_dir(self.directory)
+        self._fd, self._path, self._size, self._opened_at = fd, path, 0, time.monotonic()
+
+    def _seal_current(self) -> None:
+        if self._fd < 0 or self._path is None:
+            return
+        path = self._path
+        try:
+            os.fsync(self._fd)
+            if self._size == 0:
+                path.unlink(missing_ok=True)
+            else:
+                sealed = path.with_suffix(capture.SEALED_SUFFIX)  # our frames are whole: no recovery scan
+                os.replace(path, sealed)
+                self.sealed.append(sealed.name)
+            _fsync_dir(self.directory)
+        finally:
+            os.close(self._fd)
+            self._fd, self._path = -1, None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    timeout = None
+                    if self._size and self.max_age_s > 0:
+                        timeout = max(0.05, self._opened_at + self.max_age_s - time.monotonic())
+                    if not self._cond.wait(timeout) and self._size:
+                        break  # age rotation check below
+                batch, self._pending = self._pending, []
+                closing = self._closing
+            if batch:
+                self._commit(batch)
+            if self._size and (
+                self._size >= self.max_bytes
+                or (self.max_age_s > 0 and time.monotonic() - self._opened_at >= self.max_age_s)
+            ):
+                self._rotate()
+            if closing and not self._pending:
+                with contextlib.suppress(OSError):
+                    self._seal_current()
+                return
+
+    def _rotate(self) -> None:
+        try:
+            self._seal_current()
+            self._open_segment()
+        except OSError as exc:
+            log.error("segment rotation failed dir=%s error=%s", self.directory, exc)
+            self.failed = exc
+
+    def _commit(self, batch: list[tuple[dict[str, Any], bytes, bytes, Done]]) -> None:
+        error: BaseException | None = self.failed
+        if error is None:
+            try:
+                frames = [capture.encode_record(h, req, resp) for h, req, resp, _ in batch]
+                data = b"".join(frames)
+                view = memoryview(data)
+                while view:
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+                if self.fsync:
+                    os.fdatasync(self._fd)
+                self._size += len(data)
+                self.records += len(batch)
+                self.batches += 1
+                self.bytes_written += len(data)
+            except (OSError, ValueError, TypeError) as exc:
+                log.error("capture write failed segment=%s error=%s", self.current_segment, exc)
+                error = exc
+                try:  # cut a partial frame so later frames stay readable
+                    os.ftruncate(self._fd, self._size)
+                except OSError:
+                    self._rotate()
+        callbacks = [cb for _, _, _, cb in batch]
+        assert self._post is not None
+        self._post(_fire, (callbacks, error))
+
+
+def _fire(arg: tuple[list[Done], BaseException | None]) -> None:
+    callbacks, error = arg
+    for cb in callbacks:
+        cb(error)

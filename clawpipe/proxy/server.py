@@ -1,0 +1,675 @@
+"""The capture proxy: an OpenAI/Anthropic-compatible HTTP/1.1 front of the policy servers that records calls.
+
+Each call is attributed to its rollout by a key (:mod:`clawpipe.keys`) in the path (``/r/<key>/v1/...``)
+or as the bearer / ``x-api-key`` token; it is forwarded to one upstream replica (sticky per rollout) with
+``return_token_ids``/``logprobs`` added, streamed back byte for byte, and appended to a capture segment
+(:mod:`clawpipe.proxy.segments`). Durability guarantee: the response of a non-streamed call, and the
+final bytes of a streamed one (the chunk holding its end marker and the chunked terminator), are released
+to the harness only after the call's record is fsynced: a call whose response reached the harness is on disk.
+
+Raw ``asyncio`` protocols on uvloop (when installed), no web framework: the proxy's CPU per call is the
+figure that matters (bench/proxy_overhead.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clawpipe.errors import ClawpipeError, ConfigError, KeyVerificationError
+from clawpipe.keys import RolloutKey, verify_key
+from clawpipe.proxy import wire
+from clawpipe.proxy.admin import handle_admin
+from clawpipe.proxy.conn import Call, ClientConn
+from clawpipe.proxy.routes import ROUTES, prepare_body
+from clawpipe.proxy.segments import SegmentWriter
+from clawpipe.proxy.upstream import Replica
+
+log = logging.getLogger(__name__)
+
+TOKEN_IDS_KEY = b'"token_ids"'
+
+
+@dataclass
+class ProxyConfig:
+    """Settings of one proxy instance (CLI flags map one to one)."""
+
+    upstreams: Sequence[str]
+    capture_dir: str | os.PathLike[str]
+    host: str = "127.0.0.1"
+    port: int = 0
+    secret: bytes | None = None  # None: Settings().secret()
+    admin_token: str | None = None  # None: Settings().admin()
+    instance: str | None = None  # segment name prefix; default p<pid>-<random>
+    max_body_bytes: int = 32 << 20
+    upstream_timeout_s: float = 600.0  # max silence from the upstream (before the head and between bytes)
+    connect_timeout_s: float = 5.0
+    pause_wait_s: float = 120.0  # how long a new call waits during a pause before a 503
+    drain_timeout_s: float = 120.0  # how long /admin/pause and shutdown wait for in-flight calls
+    segment_max_bytes: int = 64 << 20
+    segment_max_age_s: float = 300.0
+    fsync: bool = True
+    tokenizer_dir: str | os.PathLike[str] | None = None
+    policy_version: int = 0
+    upstream_api_key: str | None = None  # sent as Bearer to the upstream (vLLM --api-key)
+    ready_file: str | os.PathLike[str] | None = None  # run_proxy writes the base URL here once listening
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ConfigError("give at least one upstream (--upstream http://HOST:PORT)")
+        if self.max_body_bytes <= 0 or self.upstream_timeout_s <= 0:
+            raise ConfigError("max_body_bytes and upstream_timeout_s must be positive")
+
+
+class ProxyServer:
+    """The capture proxy, runnable in-process (``start``/``stop``) or blocking (:func:`run_proxy`).
+
+    Example::
+
+        proxy = ProxyServer(upstreams=["http://127.0.0.1:8000"], capture_dir="captures", secret=b"s")
+        base = proxy.start()          # "http://127.0.0.1:PORT"; harness base URL: f"{base}/r/{key}/v1"
+        ...
+        proxy.stop()                  # drains, seals the open segment
+    """
+
+    def __init__(self, config: ProxyConfig | None = None, /, **kwargs: Any) -> None:
+        self.config = config or ProxyConfig(**kwargs)
+        cfg = self.config
+        if cfg.secret is None or cfg.admin_token is None:
+            from clawpipe.config import get_settings
+
+            settings = get_settings()
+            cfg.secret = cfg.secret or settings.secret()
+            cfg.admin_token = cfg.admin_token or settings.admin()
+        self._secret: bytes = cfg.secret if isinstance(cfg.secret, bytes) else str(cfg.secret).encode()
+        self._admin = b"Bearer " + str(cfg.admin_token).encode()
+        self.instance = cfg.instance or f"p{os.getpid()}-{secrets.token_hex(3)}"
+        self.policy_version = int(cfg.policy_version)
+        self.paused = False
+        self.in_flight = 0
+        self.port = cfg.port
+        self.stats: dict[str, int] = {
+            "calls": 0,
+            "ok": 0,
+            "http_error": 0,
+            "upstream_error": 0,
+            "cancelled": 0,
+            "unauthorized": 0,
+            "retokenized": 0,
+            "retokenize_failed": 0,
+            "no_ids": 0,
+            "paused_waits": 0,
+            "pause_timeouts": 0,
+            "upstream_retries": 0,
+            "capture_failures": 0,
+        }
+        self._keys: dict[str, RolloutKey] = {}
+        self._seq: dict[tuple[str, int, str], int] = {}
+        self._conns: set[ClientConn] = set()
+        self._calls: set[Call] = set()
+        self._retok: Any = None
+        if cfg.tokenizer_dir:
+            from clawpipe.proxy.retokenize import Retokenizer
+
+            self._retok = Retokenizer(cfg.tokenizer_dir)
+        self.writer = SegmentWriter(
+            cfg.capture_dir,
+            instance=self.instance,
+            max_bytes=cfg.segment_max_bytes,
+            max_age_s=cfg.segment_max_age_s,
+            fsync=cfg.fsync,
+        )
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._replicas: list[Replica] = []
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stop_drain_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def __enter__(self) -> ProxyServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    async def open(self) -> str:
+        """Bind, recover old segments and start the capture writer, on the running loop; return the URL."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        cfg = self.config
+        self._replicas = [
+            Replica(u, loop, connect_timeout_s=cfg.connect_timeout_s, api_key=cfg.upstream_api_key)
+            for u in cfg.upstreams
+        ]
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._stop_event = asyncio.Event()
+        self.writer.start(loop.call_soon_threadsafe)
+        self._server = await loop.create_server(
+            lambda: ClientConn(self), cfg.host, cfg.port, backlog=2048, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._tick = min(1.0, cfg.upstream_timeout_s / 4)
+        loop.call_later(self._tick, self._check_timeouts)
+        log.info("proxy listening url=%s capture_dir=%s instance=%s", self.url, cfg.capture_dir, self.instance)
+        return self.url
+
+    async def close(self, drain_timeout_s: float | None = None) -> None:
+        """Stop accepting, let in-flight calls finish (bounded), seal the open segment."""
+        if self._server is not None:
+            self._server.close()
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), timeout)
+        for conn in list(self._conns):
+            conn.close()
+        for rep in self._replicas:
+            rep.close()
+        await asyncio.sleep(0)  # let the last capture callbacks run
+        await self._loop.run_in_executor(None, self.writer.close)
+        log.info("proxy stopped instance=%s sealed=%s", self.instance, self.writer.sealed[-3:])
+
+    async def serve_until_stopped(self) -> None:
+        await self.open()
+        assert self._stop_event is not None
+        await self._stop_event.wait()
+        await self.close()
+
+    def request_stop(self) -> None:
+        """Ask a running proxy to stop (thread-safe)."""
+        if self._loop is not None and self._stop_event is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+
+    def start(self) -> str:
+        """Run the proxy on its own event loop in a background thread; return its base URL."""
+        self._thread = threading.Thread(target=self._thread_main, name=f"proxy-{self.instance}", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._start_error is not None:
+            raise self._start_error
+        if not self._ready.is_set():
+            raise ClawpipeError("proxy did not start within 30 s")
+        return self.url
+
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Stop a proxy started with :meth:`start`: in-flight calls get ``drain_timeout_s`` (default the
+        config's) to finish, then connections close and the open segment is sealed. Idempotent."""
+        if self._thread is None:
+            return
+        if drain_timeout_s is not None:
+            self._stop_drain_s = drain_timeout_s
+        self.request_stop()
+        self._thread.join((self._stop_drain_s or self.config.drain_timeout_s) + 30)
+        self._thread = None
+
+    def _thread_main(self) -> None:
+        loop = new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self.open())
+        except BaseException as exc:
+            self._start_error = exc
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            assert self._stop_event is not None
+            loop.run_until_complete(self._stop_event.wait())
+            loop.run_until_complete(self.close(self._stop_drain_s))
+        finally:
+            loop.close()
+
+    # --- request handling ----------------------------------------------------------------------------
+    def _authorize(self, req: wire.Request) -> tuple[RolloutKey | None, str]:
+        """(attribution or None, path after the rollout prefix)."""
+        path = req.path
+        key = None
+        if path.startswith("/r/"):
+            slash = path.find("/", 3)
+            if slash < 0:
+                return None, path
+            key = path[3:slash]
+            path = path[slash:]
+        else:
+            auth = req.headers.get(b"authorization")
+            if auth is not None and auth[:7].lower() == b"bearer ":
+                key = auth[7:].strip().decode("latin-1")
+            else:
+                xkey = req.headers.get(b"x-api-key")
+                if xkey is not None:
+                    key = xkey.strip().decode("latin-1")
+        if not key:
+            return None, path
+        hit = self._keys.get(key)
+        if hit is not None:
+            return hit, path
+        try:
+            att = verify_key(self._secret, key)
+        except KeyVerificationError:
+            return None, path
+        if len(self._keys) > 200_000:
+            self._keys.clear()
+        self._keys[key] = att
+        return att, path
+
+    async def _handle(self, conn: ClientConn, req: wire.Request) -> None:
+        try:
+            if req.path.startswith("/admin/"):
+                await handle_admin(self, conn, req)
+                return
+            att, path = self._authorize(req)
+            anthropic = path.endswith("/messages") or b"anthropic-version" in req.headers
+            if att is None:
+                self.stats["unauthorized"] += 1
+                conn.write(
+                    wire.error_response(
+                        401,
+                        "missing or invalid rollout key: use the base URL /r/<key>/v1 or the key as API key",
+                        anthropic=anthropic,
+                        keep_alive=req.keep_alive,
+                    )
+                )
+                conn.finish(req.keep_alive)
+                return
+            await self._model_call(conn, req, att, path, anthropic)
+        except Exception:
+            log.exception("proxy handler failed path=%s", req.path)
+            conn.write(wire.error_response(500, "internal proxy error", anthropic=False, keep_alive=False))
+            conn.finish(False)
+
+    async def _model_call(
+        self, conn: ClientConn, req: wire.Request, att: RolloutKey, path: str, anthropic: bool
+    ) -> None:
+        t_start = time.time()
+        api = ROUTES.get((req.method, path))
+        if api is None and not path.startswith("/v1/"):  # a base URL given without /v1
+            api = ROUTES.get((req.method, "/v1" + path))
+            if api is not None:
+                path = "/v1" + path
+        rkey = (att.run_id, att.iteration, att.rollout_id)
+        seq = self._seq.get(rkey, -1) + 1
+        if seq == 0 and len(self._seq) > 500_000:
+            self._seq.clear()
+        self._seq[rkey] = seq
+        query = req.target.partition("?")[2]
+        header: dict[str, Any] = {
+            "call_id": os.urandom(16).hex(),
+            "run_id": att.run_id,
+            "iteration": att.iteration,
+            "rollout_id": att.rollout_id,
+            "seq": seq,
+            "api": api or "unknown",
+            "method": req.method,
+            "path": path,
+            "query": query,
+            "stream": False,
+            "http_status": 0,
+            "status": "ok",
+            "error": None,
+            "model": None,
+            "policy_version": self.policy_version,
+            "t_start": t_start,
+            "t_end": 0.0,
+            "upstream_ms": None,
+            "request_changes": {},
+            "token_source": "none",
+            "upstream": None,
+        }
+        if "too_large" in req.extra:
+            limit = self.config.max_body_bytes
+            msg = f"request body of {req.extra['too_large']} bytes exceeds the proxy limit of {limit} bytes"
+            await self._fail(conn, req, header, 413, msg, anthropic)
+            return
+        if api is None:
+            msg = f"unknown endpoint {req.method} {path}: the proxy serves {sorted(p for _, p in ROUTES)}"
+            await self._fail(conn, req, header, 404, msg, anthropic)
+            return
+        body = req.body
+        changes: dict[str, Any] = {}
+        stream = False
+        if api != "models":
+            try:
+                obj = json.loads(body)
+            except ValueError as exc:
+                await self._fail(conn, req, header, 400, f"request body is not valid JSON: {exc}", anthropic)
+                return
+            if not isinstance(obj, dict):
+                await self._fail(conn, req, header, 400, "request body must be a JSON object", anthropic)
+                return
+            stream = obj.get("stream") is True
+            header["stream"] = stream
+            model = obj.get("model")
+            header["model"] = model if isinstance(model, str) else None
+            body, changes = prepare_body(api, body, obj)
+            header["request_changes"] = changes
+        if self.paused:
+            self.stats["paused_waits"] += 1
+            try:
+                await asyncio.wait_for(self._resumed.wait(), self.config.pause_wait_s)
+            except TimeoutError:
+                self.stats["pause_timeouts"] += 1
+                msg = f"proxy paused for a weight update for over {self.config.pause_wait_s:g} s; retry later"
+                await self._fail(conn, req, header, 503, msg, anthropic)
+                return
+            if conn.closed:
+                return
+            header["policy_version"] = self.policy_version
+        self.in_flight += 1
+        self._drained.clear()
+        try:
+            await self._forward(conn, req, header, api, path, body, stream, att, anthropic)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._drained.set()
+
+    async def _forward(
+        self,
+        conn: ClientConn,
+        req: wire.Request,
+        header: dict[str, Any],
+        api: str,
+        path: str,
+        body: bytes,
+        stream: bool,
+        att: RolloutKey,
+        anthropic: bool,
+    ) -> None:
+        loop = self._loop
+        fwd_headers = b"".join(
+            n + b": " + v + b"\r\n" for n, v in req.headers.items() if n in wire.FORWARDED_REQUEST_HEADERS
+        )
+        query = header["query"]
+        target = path + "?" + query if query else path
+        call = Call(conn, stream, loop)
+        conn.call = call
+        replicas = self._replicas
+        start = zlib.crc32(att.rollout_id.encode()) % len(replicas) if len(replicas) > 1 else 0
+        t_up = time.perf_counter()
+        last_error = ""
+        for k in range(len(replicas)):
+            rep = replicas[(start + k) % len(replicas)]
+            header["upstream"] = rep.url
+            raw = rep.request_bytes(req.method, target, fwd_headers, body if api != "models" else b"")
+            if await self._exchange(rep, raw, call, conn):
+                break
+            last_error = call.error or f"upstream {rep.url} unreachable"
+        else:
+            header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
+            await self._fail(conn, req, header, 502, last_error or "no upstream reachable", anthropic)
+            return
+        header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
+        response = b"".join(call.parts)
+        outcome = call.outcome
+        if outcome == "end":
+            status = call.status
+            header["http_status"] = status
+            header["status"] = "ok" if status < 400 else "http_error"
+            if status >= 400:
+                header["error"] = response[:500].decode("utf-8", "replace")
+        elif outcome == "cancelled":
+            header["http_status"] = call.status or 499
+            header["status"] = "cancelled"
+            header["error"] = call.error
+        else:
+            code = 504 if outcome == "timeout" else 502
+            header["status"] = "upstream_error"
+            header["error"] = call.error
+            log.warning(
+                "upstream failed rollout_id=%s upstream=%s error=%s",
+                header["rollout_id"],
+                header["upstream"],
+                call.error,
+            )
+            if not call.streaming:
+                err = wire.error_body(code, f"upstream {header['upstream']}: {call.error}", anthropic=anthropic)
+                header["http_status"] = code
+                header["response_partial"] = len(response)
+                response = err
+            else:
+                header["http_status"] = call.status
+        if outcome == "end" and call.status < 400 and api != "models":
+            if TOKEN_IDS_KEY in response:
+                header["token_source"] = "upstream"
+            elif self._retok is not None:
+                try:
+                    header["retokenized"] = await loop.run_in_executor(
+                        None, self._retok.retokenize, api, req.body, response, stream
+                    )
+                    header["token_source"] = "retokenized"
+                    self.stats["retokenized"] += 1
+                except Exception as exc:
+                    log.warning("retokenization failed call_id=%s error=%s", header["call_id"], exc)
+                    self.stats["retokenize_failed"] += 1
+            else:
+                self.stats["no_ids"] += 1
+        header["t_end"] = time.time()
+        ok = await self._commit(header, req.body, response)
+        self.stats[header["status"]] += 1
+        self.stats["calls"] += 1
+        keep = req.keep_alive
+        if outcome == "cancelled" or conn.closed:
+            conn.finish(False)
+            return
+        if call.streaming:
+            if ok and outcome == "end":
+                conn.write(b"".join(call.held) + b"0\r\n\r\n")
+                conn.finish(keep)
+            else:
+                conn.finish(False)  # an unterminated stream tells the client it is incomplete
+            return
+        if not ok:
+            conn.write(wire.error_response(500, "capture failed; the call was not recorded", anthropic=anthropic))
+            conn.finish(False)
+            return
+        if outcome == "end":
+            headers = call.resp_headers
+            if not keep:
+                headers = [*headers, (b"connection", b"close")]
+            conn.write(wire.response_head(call.status, headers, length=len(response)) + response)
+        else:
+            extra = [(b"content-type", b"application/json")]
+            if not keep:
+                extra.append((b"connection", b"close"))
+            conn.write(wire.response_head(header["http_status"], extra, length=len(response)) + response)
+        conn.finish(keep)
+
+    async def _exchange(self, rep: Replica, raw: bytes, call: Call, conn: ClientConn) -> bool:
+        """Send one request to a replica; False when it could not be reached (try the next replica)."""
+        for attempt in range(2):
+            try:
+                up, reused = await rep.acquire()
+            except (OSError, TimeoutError) as exc:
+                call.error = f"upstream {rep.url} unreachable: {type(exc).__name__}: {exc}"
+                return False
+            if conn.closed:
+                rep.release(up)
+                call.client_gone()
+                return True
+            call.up = up
+            up.send(raw, call)
+            self._calls.add(call)
+            await call.fut
+            self._calls.discard(call)
+            if attempt == 0 and call.outcome == "fail" and reused and not call.parts and call.status == 0:
+                # a pooled connection the upstream had closed: resend once on a fresh one
+                self.stats["upstream_retries"] += 1
+                call.fut = self._loop.create_future()
+                call.outcome, call.error = "", None
+                continue
+            break
+        return True
+
+    async def _fail(
+        self, conn: ClientConn, req: wire.Request, header: dict[str, Any], status: int, msg: str, anthropic: bool
+    ) -> None:
+        """Answer with an error in the API's shape and capture the failed call."""
+        body = wire.error_body(status, msg, anthropic=anthropic)
+        header["http_status"] = status
+        header["status"] = "upstream_error" if status in (502, 504) else "http_error"
+        header["error"] = msg
+        header["t_end"] = time.time()
+        log.warning("call failed rollout_id=%s status=%d error=%s", header["rollout_id"], status, msg)
+        await self._commit(header, req.body, body)
+        self.stats[header["status"]] += 1
+        self.stats["calls"] += 1
+        keep = req.keep_alive
+        headers = [(b"content-type", b"application/json")]
+        if not keep:
+            headers.append((b"connection", b"close"))
+        conn.write(wire.response_head(status, headers, length=len(body)) + body)
+        conn.finish(keep)
+
+    def _commit(self, header: dict[str, Any], request: bytes, response: bytes) -> asyncio.Future[bool]:
+        fut: asyncio.Future[bool] = self._loop.create_future()
+
+        def done(exc: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_result(exc is None)
+
+        try:
+            self.writer.submit(header, request, response, done)
+        except ClawpipeError:
+            fut.set_result(False)
+        return fut
+
+    def _check_timeouts(self) -> None:
+        now = self._loop.time()
+        limit = self.config.upstream_timeout_s
+        for call in list(self._calls):
+            up = call.up
+            if up is not None and now - up.last_activity > limit:
+                call.timed_out(limit)
+        if self._server is not None and self._server.is_serving():
+            self._loop.call_later(self._tick, self._check_timeouts)
+
+    # --- admin ---------------------------------------------------------------------------------------
+    # --- control (on the proxy's loop; the sync wrappers below work from any thread) -----------------
+    def is_admin(self, authorization: bytes) -> bool:
+        return hmac.compare_digest(authorization, self._admin)
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "paused": self.paused,
+            "policy_version": self.policy_version,
+            "in_flight": self.in_flight,
+            "upstreams": [r.url for r in self._replicas],
+            "instance": self.instance,
+        }
+
+    async def pause_calls(self, wait_s: float) -> dict[str, Any]:
+        """New calls wait at the gate; returns once in-flight calls drained (or ``wait_s`` passed)."""
+        self.paused = True
+        self._resumed.clear()
+        drained = True
+        try:
+            await asyncio.wait_for(self._drained.wait(), wait_s)
+        except TimeoutError:
+            drained = False
+        log.info("proxy paused drained=%s in_flight=%d", drained, self.in_flight)
+        return {"paused": True, "drained": drained, "in_flight": self.in_flight}
+
+    def resume_calls(self, policy_version: int | None = None) -> dict[str, Any]:
+        """Set the stamped version (when given) and let waiting calls through."""
+        if policy_version is not None:
+            self.policy_version = int(policy_version)
+        self.paused = False
+        self._resumed.set()
+        log.info("proxy resumed policy_version=%d", self.policy_version)
+        return {"paused": False, "policy_version": self.policy_version}
+
+    def pause(self, wait_s: float | None = None) -> dict[str, Any]:
+        """Thread-safe :meth:`pause_calls` for a proxy started with :meth:`start`."""
+        wait = self.config.drain_timeout_s if wait_s is None else wait_s
+        return asyncio.run_coroutine_threadsafe(self.pause_calls(wait), self._loop).result(wait + 10)
+
+    def resume(self, policy_version: int | None = None) -> dict[str, Any]:
+        """Thread-safe :meth:`resume_calls` for a proxy started with :meth:`start`."""
+
+        async def _resume() -> dict[str, Any]:
+            return self.resume_calls(policy_version)
+
+        return asyncio.run_coroutine_threadsafe(_resume(), self._loop).result(10)
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """Counters, in-flight calls, capture writer figures and the process's RSS."""
+        out: dict[str, Any] = dict(self.stats)
+        out.update(
+            in_flight=self.in_flight,
+            paused=self.paused,
+            policy_version=self.policy_version,
+            records=self.writer.records,
+            batches=self.writer.batches,
+            bytes_written=self.writer.bytes_written,
+            segment=self.writer.current_segment,
+            sealed_segments=len(self.writer.sealed),
+            rss_bytes=_rss_bytes(),
+        )
+        return out
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop when installed (lower CPU per call), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_proxy(config: ProxyConfig | None = None, /, **kwargs: Any) -> None:
+    """Run a proxy in the foreground until SIGINT/SIGTERM; logs its URL on start."""
+    proxy = ProxyServer(config, **kwargs)
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    async def main() -> None:
+        await proxy.open()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, proxy.request_stop)
+        if proxy.config.ready_file:
+            tmp = Path(f"{proxy.config.ready_file}.tmp")
+            tmp.write_text(proxy.url)
+            tmp.replace(proxy.config.ready_file)  # readers never see a half-written URL
+        assert proxy._stop_event is not None
+        await proxy._stop_event.wait()
+        await proxy.close()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()

@@ -1,0 +1,365 @@
+"""Pooled keep-alive HTTP/1.1 connections to the upstream replicas (the policy servers).
+
+Each connection is an ``asyncio.Protocol`` that parses the response framing (content-length, chunked, or
+until-close) and hands the de-chunked body straight to the call's :class:`Sink` as bytes arrive, so a
+streamed response reaches the harness without a task switch. A connection goes back to its replica's idle
+list when a response ends cleanly with keep-alive; anything else closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from clawpipe.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """What an upstream connection reports to (one call at a time)."""
+
+    def up_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    def up_body(self, data: bytes) -> None: ...
+    def up_end(self) -> None: ...
+    def up_fail(self, exc: BaseException, got_bytes: bool) -> None: ...
+
+
+class UpstreamClosed(ConnectionError):
+    """The upstream closed the connection before the response was complete."""
+
+
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
+
+
+class UpstreamConn(asyncio.Protocol):
+    """One keep-alive connection; carries one request/response at a time."""
+
+    __slots__ = (
+        "_buf",
+        "_keep_alive",
+        "_left",
+        "_state",
+        "got_bytes",
+        "last_activity",
+        "loop",
+        "replica",
+        "sink",
+        "transport",
+        "usable",
+    )
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.loop = replica.loop
+        self.transport: asyncio.Transport | None = None
+        self.sink: Sink | None = None
+        self.usable = False
+        self._buf = b""
+        self._state = _DONE
+        self._left = 0
+        self._keep_alive = True
+        self.got_bytes = False
+        self.last_activity = 0.0
+
+    # --- asyncio callbacks -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.usable = True
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.usable = False
+        sink, self.sink = self.sink, None
+        if sink is None:
+            return
+        if self._state == _UNTIL_CLOSE:
+            self._state = _DONE
+            sink.up_end()
+            return
+        sink.up_fail(exc or UpstreamClosed("upstream closed the connection mid-response"), self.got_bytes)
+
+    def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is None:  # unsolicited bytes: the connection is out of sync
+            self.abort()
+            return
+        self.got_bytes = True
+        self.last_activity = self.loop.time()
+        if self._buf:
+            data = self._buf + data
+            self._buf = b""
+        state = self._state
+        if state == _LENGTH:
+            n = len(data)
+            if n < self._left:
+                self._left -= n
+                sink.up_body(data)
+                return
+            if n > self._left:
+                self.abort()
+                sink.up_fail(UpstreamClosed("upstream sent more bytes than its content-length"), True)
+                return
+            self._left = 0
+            sink.up_body(data)
+            self._finish()
+            return
+        if state == _UNTIL_CLOSE:
+            sink.up_body(data)
+            return
+        if state == _HEAD:
+            end = data.find(b"\r\n\r\n")
+            if end < 0:
+                if len(data) > 65536:
+                    self.abort()
+                    sink.up_fail(UpstreamClosed("upstream response head too large"), True)
+                else:
+                    self._buf = data
+                return
+            try:
+                status, headers = self._parse_head(data[:end])
+            except ValueError as exc:
+                self.abort()
+                sink.up_fail(UpstreamClosed(f"malformed upstream response head: {exc}"), True)
+                return
+            sink.up_head(status, headers)
+            if self.sink is None:  # the call was cancelled inside up_head
+                return
+            data = data[end + 4 :]
+            if self._state == _DONE:
+                self._finish()
+                return
+            if self._state == _LENGTH:
+                if data:
+                    self.data_received_body(data)
+                return
+            if self._state == _UNTIL_CLOSE:
+                if data:
+                    sink.up_body(data)
+                return
+            if not data:
+                return
+        self._chunked(data)
+
+    def data_received_body(self, data: bytes) -> None:
+        """Body bytes after the head in the same read (content-length framing)."""
+        sink = self.sink
+        assert sink is not None
+        n = len(data)
+        if n < self._left:
+            self._left -= n
+            sink.up_body(data)
+            return
+        if n > self._left:
+            self.abort()
+            sink.up_fail(UpstreamClosed("upstream sent more bytes than its content-length"), True)
+            return
+        self._left = 0
+        sink.up_body(data)
+        self._finish()
+
+    # --- framing -----------------------------------------------------------------------------------
+    def _parse_head(self, head: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise ValueError(lines[0][:80].decode("latin-1"))
+        status = int(parts[1])
+        headers: list[tuple[bytes, bytes]] = []
+        length = -1
+        chunked = False
+        keep_alive = parts[0] != b"HTTP/1.0"
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            lname = name.strip().lower()
+            value = value.strip()
+            if lname == b"content-length":
+                length = int(value)
+            elif lname == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif lname == b"connection":
+                low = value.lower()
+                if b"close" in low:
+                    keep_alive = False
+                elif b"keep-alive" in low:
+                    keep_alive = True
+            headers.append((lname, value))
+        self._keep_alive = keep_alive
+        if status in (204, 304) or 100 <= status < 200:
+            self._state = _DONE
+        elif chunked:
+            self._state = _CHUNK_SIZE
+        elif length >= 0:
+            self._left = length
+            self._state = _LENGTH if length else _DONE
+        else:
+            self._keep_alive = False
+            self._state = _UNTIL_CLOSE
+        return status, headers
+
+    def _chunked(self, data: bytes) -> None:
+        sink = self.sink
+        assert sink is not None
+        pos, n = 0, len(data)
+        out: list[bytes] = []
+        while pos < n:
+            state = self._state
+            if state == _CHUNK_DATA:
+                take = min(self._left, n - pos)
+                out.append(data[pos : pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = _CHUNK_CRLF
+                    self._left = 2
+            elif state == _CHUNK_CRLF:
+                take = min(self._left, n - pos)
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = _CHUNK_SIZE
+            elif state == _CHUNK_SIZE:
+                nl = data.find(b"\r\n", pos)
+                if nl < 0:
+                    self._buf = data[pos:]
+                    break
+                line = data[pos:nl].split(b";", 1)[0].strip()
+                pos = nl + 2
+                try:
+                    size = int(line, 16)
+                except ValueError:
+                    self.abort()
+                    sink.up_fail(UpstreamClosed("malformed chunk size from upstream"), True)
+                    return
+                if size == 0:
+                    self._state = _TRAILER
+                else:
+                    self._state = _CHUNK_DATA
+                    self._left = size
+            elif state == _TRAILER:
+                if data.startswith(b"\r\n", pos):
+                    pos += 2
+                    self._state = _DONE
+                    break
+                end = data.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    self._buf = data[pos:]
+                    break
+                pos = end + 4
+                self._state = _DONE
+                break
+            else:
+                break
+        if out:
+            sink.up_body(out[0] if len(out) == 1 else b"".join(out))
+        if self._state == _DONE and self.sink is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        sink, self.sink = self.sink, None
+        self._state = _DONE
+        self._buf = b""
+        if self._keep_alive and self.usable:
+            self.replica.release(self)
+        else:
+            self.abort()
+        if sink is not None:
+            sink.up_end()
+
+    # --- use -----------------------------------------------------------------------------------------
+    def send(self, request: bytes, sink: Sink) -> None:
+        """Write one request; the response is reported to ``sink``."""
+        self.sink = sink
+        self._state = _HEAD
+        self._buf = b""
+        self.got_bytes = False
+        self.last_activity = self.loop.time()
+        assert self.transport is not None
+        self.transport.write(request)
+
+    def detach(self) -> None:
+        """Stop reporting to the current sink and drop the connection (the call was cancelled)."""
+        self.sink = None
+        self.abort()
+
+    def abort(self) -> None:
+        self.usable = False
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Replica:
+    """One upstream server: base URL and its idle keep-alive connections."""
+
+    def __init__(
+        self,
+        url: str,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        connect_timeout_s: float = 5.0,
+        max_idle: int = 256,
+        api_key: str | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ConfigError(f"upstream {url!r}: use http://HOST:PORT[/prefix] (https upstreams are not supported)")
+        self.url = url.rstrip("/")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        prefix = parts.path.rstrip("/")
+        if prefix.endswith("/v1"):  # accept ".../v1" as given to SDKs; paths forwarded already start with /v1
+            prefix = prefix[:-3]
+        self.prefix = prefix
+        self.host_header = f"{self.host}:{self.port}".encode()
+        self.auth_header = b"authorization: Bearer " + api_key.encode() + b"\r\n" if api_key else b""
+        self.loop = loop
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle
+        self.idle: list[UpstreamConn] = []
+        self.healthy = True
+
+    async def acquire(self) -> tuple[UpstreamConn, bool]:
+        """An idle connection (reused=True) or a new one; raises OSError/TimeoutError if unreachable."""
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if conn.usable:
+                return conn, True
+        _, conn = await asyncio.wait_for(
+            self.loop.create_connection(lambda: UpstreamConn(self), self.host, self.port),
+            self.connect_timeout_s,
+        )
+        return conn, False
+
+    def release(self, conn: UpstreamConn) -> None:
+        if len(self.idle) < self.max_idle:
+            self.idle.append(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.abort()
+        self.idle.clear()
+
+    def request_bytes(self, method: str, target: str, headers: bytes, body: bytes) -> bytes:
+        """The request line, headers and body to send to this replica."""
+        return b"".join(
+            (
+                method.encode(),
+                b" ",
+                self.prefix.encode(),
+                target.encode(),
+                b" HTTP/1.1\r\nhost: ",
+                self.host_header,
+                b"\r\n",
+                self.auth_header,
+                headers,
+                b"content-length: %d\r\n\r\n" % len(body),
+                body,
+            )
+        )

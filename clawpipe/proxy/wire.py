@@ -1,0 +1,176 @@
+"""HTTP/1.1 wire helpers of the proxy: request-head parsing, response heads, OpenAI/Anthropic error bodies.
+
+Kept deliberately small and allocation-light: the proxy's hot path runs through here once per call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+REASONS = {
+    100: "Continue",
+    200: "OK",
+    204: "No Content",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Payload Too Large",
+    431: "Request Header Fields Too Large",
+    499: "Client Closed Request",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+
+# Response headers from the upstream that the proxy sets itself or that are hop-by-hop.
+HOP_BY_HOP = frozenset(
+    (b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te", b"trailer", b"upgrade")
+)
+# Request headers forwarded to the upstream (everything else, auth included, stays at the proxy).
+FORWARDED_REQUEST_HEADERS = frozenset(
+    (b"content-type", b"accept", b"anthropic-version", b"anthropic-beta", b"openai-beta", b"x-request-id")
+)
+
+OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    431: "invalid_request_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    431: "invalid_request_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+class BadRequest(Exception):
+    """A request the proxy cannot parse; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    target: str  # path + query as sent
+    path: str
+    query: str
+    version: bytes
+    headers: dict[bytes, bytes]
+    body: bytes = b""
+    keep_alive: bool = True
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def parse_head(head: bytes) -> tuple[str, str, bytes, dict[bytes, bytes]]:
+    """Parse a request head (without the final CRLFCRLF) into method, target, version, lower-cased headers."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        raise BadRequest(400, "malformed HTTP request line")
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            if line:
+                raise BadRequest(400, "malformed HTTP header line")
+            continue
+        headers[name.strip().lower()] = value.strip()
+    try:
+        return parts[0].decode("ascii"), parts[1].decode("ascii"), parts[2], headers
+    except UnicodeDecodeError as exc:
+        raise BadRequest(400, "non-ASCII request line") from exc
+
+
+def dechunk(data: bytes | bytearray, pos: int, limit: int) -> tuple[bytes, int] | None:
+    """A chunked request body starting at ``pos``: (body, end offset), or None while incomplete."""
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        nl = data.find(b"\r\n", pos)
+        if nl < 0:
+            return None
+        try:
+            size = int(bytes(data[pos:nl]).split(b";", 1)[0].strip(), 16)
+        except ValueError as exc:
+            raise BadRequest(400, "malformed chunk size in the request body") from exc
+        if size == 0:
+            if data[nl + 2 : nl + 4] == b"\r\n":
+                return b"".join(parts), nl + 4
+            end = data.find(b"\r\n\r\n", nl + 2)
+            return None if end < 0 else (b"".join(parts), end + 4)
+        total += size
+        if total > limit:
+            raise BadRequest(413, f"request body exceeds the proxy limit of {limit} bytes")
+        if len(data) < nl + 4 + size:
+            return None
+        parts.append(bytes(data[nl + 2 : nl + 2 + size]))
+        pos = nl + 4 + size
+
+
+def response_head(status: int, headers: list[tuple[bytes, bytes]] | tuple[()] = (), *, length: int | None) -> bytes:
+    """Build a response head; ``length=None`` means chunked transfer encoding."""
+    out = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, "Status").encode())]
+    for name, value in headers:
+        out.append(name + b": " + value + b"\r\n")
+    if length is None:
+        out.append(b"transfer-encoding: chunked\r\n\r\n")
+    else:
+        out.append(b"content-length: %d\r\n\r\n" % length)
+    return b"".join(out)
+
+
+def error_body(status: int, message: str, *, anthropic: bool, code: str | None = None) -> bytes:
+    """An error body in the shape the harness's SDK expects for its API."""
+    if anthropic:
+        obj: dict[str, object] = {
+            "type": "error",
+            "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message},
+        }
+    else:
+        obj = {
+            "error": {
+                "message": message,
+                "type": OPENAI_ERROR_TYPES.get(status, "server_error"),
+                "param": None,
+                "code": code or str(status),
+            }
+        }
+    return json.dumps(obj).encode()
+
+
+def error_response(status: int, message: str, *, anthropic: bool, keep_alive: bool = True) -> bytes:
+    body = error_body(status, message, anthropic=anthropic)
+    headers = [(b"content-type", b"application/json")]
+    if not keep_alive:
+        headers.append((b"connection", b"close"))
+    return response_head(status, headers, length=len(body)) + body
+
+
+def json_response(status: int, obj: object, *, keep_alive: bool = True) -> bytes:
+    body = json.dumps(obj).encode()
+    headers = [(b"content-type", b"application/json")]
+    if not keep_alive:
+        headers.append((b"connection", b"close"))
+    return response_head(status, headers, length=len(body)) + body

@@ -1,0 +1,184 @@
+"""What every sandbox backend receives (:class:`SandboxJob`) and returns (:class:`Outcome`).
+
+A backend runs one harness process tree to its end or its timeout and reports how it ended; it raises
+:class:`~clawpipe.errors.SandboxError` when the sandbox itself could not be set up (an infra error,
+retried by the runner). Backends are chosen by name through :func:`get_backend`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from clawpipe.errors import ConfigError
+from clawpipe.sandbox.bridge import Bridge
+from clawpipe.sandbox.limits import Limits
+from clawpipe.sandbox.manifest import HarnessManifest
+
+SANDBOX_UID = 65534  # nobody
+SANDBOX_GID = 65534
+INNER_WORKDIR = "/workdir"
+INNER_TASK = "/task.json"
+INNER_HARNESS = "/harness"
+BACKENDS = ("bwrap", "docker", "process")
+
+
+@dataclass(frozen=True, slots=True)
+class PythonEnv:
+    """The Python environment harnesses run with (bound read-only into sandboxes)."""
+
+    prefix: Path  # the venv (or the base install when there is none)
+    base_prefix: Path  # the interpreter installation the venv points at
+
+    @classmethod
+    def current(cls) -> PythonEnv:
+        return cls(prefix=Path(sys.prefix), base_prefix=Path(os.path.realpath(sys.base_prefix)))
+
+    @property
+    def bin(self) -> Path:
+        return self.prefix / "bin"
+
+    def mounts(self) -> list[Path]:
+        """Distinct directories to bind, outermost first, skipping ones under /usr (bound anyway)."""
+        out: list[Path] = []
+        for p in (self.base_prefix, self.prefix):
+            if p == Path("/usr") or Path("/usr") in p.parents or p in out:
+                continue
+            out.append(p)
+        return out
+
+
+@dataclass(slots=True)
+class SandboxJob:
+    """One harness execution, prepared on the host by the runner."""
+
+    rollout_id: str
+    manifest: HarnessManifest
+    rollout_dir: Path  # host folder holding work/, task.json and the logs
+    key: str
+    model: str
+    timeout_s: float
+    limits: Limits
+
+    def unique_name(self, prefix: str) -> str:
+        """``<prefix>-<rollout id, sanitised>-<random>``: unique even when runners share rollout ids."""
+        tag = re.sub(r"[^a-zA-Z0-9_.-]", "_", self.rollout_id)[:60]
+        return f"{prefix}-{tag}-{uuid.uuid4().hex[:8]}"
+
+    @property
+    def workdir(self) -> Path:
+        return self.rollout_dir / "work"
+
+    @property
+    def task_path(self) -> Path:
+        return self.rollout_dir / "task.json"
+
+    @property
+    def stdout_path(self) -> Path:
+        return self.rollout_dir / "stdout.log"
+
+    @property
+    def stderr_path(self) -> Path:
+        return self.rollout_dir / "stderr.log"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a harness process tree ended."""
+
+    exit_code: int | None = None  # None when killed by a signal or never started
+    signal: int | None = None
+    timed_out: bool = False
+    oom: bool = False
+    pids_limited: bool = False
+    requests: int = 0  # HTTP requests the bridge forwarded for this sandbox
+    proxy_unreachable: int = 0  # connections the bridge could not forward (proxy down): an infra error
+    setup_ms: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+class Backend(Protocol):
+    name: str
+
+    def run(self, job: SandboxJob, bridge: Bridge) -> Outcome: ...
+
+    def close(self) -> None: ...
+
+
+def harness_env(job: SandboxJob, *, port: int, workdir: str, task_path: str, path_dirs: list[str]) -> dict[str, str]:
+    """The complete environment of a harness (CONTRACTS C): declared variables plus the runner's own."""
+    base = f"http://127.0.0.1:{port}/r/{job.key}"
+    env = {"LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": "/tmp"}
+    env.update(job.manifest.env)  # declared variables may override the defaults above, not what follows
+    env.update(
+        {
+            "OPENAI_BASE_URL": f"{base}/v1",
+            "OPENAI_API_KEY": job.key,
+            "ANTHROPIC_BASE_URL": base,
+            "ANTHROPIC_API_KEY": job.key,
+            "CLAWPIPE_MODEL": job.model,
+            "OPENAI_MODEL": job.model,
+            "ANTHROPIC_MODEL": job.model,
+            "CLAWPIPE_TASK": task_path,
+            "CLAWPIPE_WORKDIR": workdir,
+            "CLAWPIPE_OUTPUT": f"{workdir}/out",
+            "HOME": f"{workdir}/home",
+            "PATH": ":".join([*path_dirs, "/usr/local/bin", "/usr/bin", "/bin"]),
+            "CLAWPIPE_TIMEOUT_S": str(job.timeout_s),
+        }
+    )
+    return env
+
+
+def wait_for_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """The return code, or None if ``proc`` is still running after ``timeout_s``.
+
+    Uses a pidfd, so the exit is seen at once; Popen.wait(timeout) polls with sleeps of up to 50 ms,
+    which would add tens of milliseconds to every rollout.
+    """
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(max(0, int(timeout_s * 1000))):
+            return None
+    finally:
+        os.close(fd)
+    return proc.wait()
+
+
+def decode_wait_status(returncode: int) -> tuple[int | None, int | None]:
+    """(exit_code, signal) from a Popen returncode (negative = killed by that signal)."""
+    if returncode < 0:
+        return None, -returncode
+    return returncode, None
+
+
+def get_backend(name: str, **options: object) -> Backend:
+    """Construct a backend by name: bwrap (default), docker, process."""
+    if name == "bwrap":
+        from clawpipe.sandbox.backends.bwrap import BwrapBackend
+
+        return BwrapBackend(**options)  # type: ignore[arg-type]
+    if name == "process":
+        from clawpipe.sandbox.backends.process import ProcessBackend
+
+        return ProcessBackend(**options)  # type: ignore[arg-type]
+    if name == "docker":
+        from clawpipe.sandbox.backends.docker import DockerBackend
+
+        return DockerBackend(**options)  # type: ignore[arg-type]
+    raise ConfigError(f"unknown sandbox backend {name!r}; choose one of {list(BACKENDS)}")

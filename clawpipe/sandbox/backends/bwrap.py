@@ -1,0 +1,296 @@
+"""The bwrap backend (default): bubblewrap namespaces, a cgroup, the bridge, and uid 65534.
+
+bwrap runs as root *without* a user namespace so it can bind paths the sandbox user could not reach
+(the Python install under /root, mode 700); inside, ``setpriv`` drops to uid/gid 65534 with no
+capabilities, no supplementary groups and no_new_privs before exec'ing the harness. The sandbox sees:
+/usr (ro) and its /bin /lib symlinks, a few /etc files, the Python environment (ro), the harness folder
+at /harness (ro), the task at /task.json (ro), its work dir at /workdir (rw, owned by 65534), a private
+/tmp, /proc and /dev, and a network namespace whose only listener is the bridge's 127.0.0.1:PORT.
+
+Start-up: bwrap reports the sandbox's pid on --info-fd and waits on --block-fd; meanwhile the host puts
+that pid into the cgroup (or sets rlimits), opens the bridge listener in its network namespace, and then
+releases it. A timeout SIGKILLs the namespace's pid 1, which takes every descendant with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from clawpipe.errors import SandboxError
+from clawpipe.sandbox.backends.base import (
+    INNER_HARNESS,
+    INNER_TASK,
+    INNER_WORKDIR,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    Outcome,
+    PythonEnv,
+    SandboxJob,
+    harness_env,
+    wait_for_exit,
+)
+from clawpipe.sandbox.bridge import Bridge, listen_in_netns
+from clawpipe.sandbox.limits import Cgroup, CgroupLayout, apply_rlimits, detect_cgroups, sweep_stale_cgroups
+
+logger = logging.getLogger(__name__)
+
+# /etc entries a harness may need (dynamic linker cache, time zone, alternatives symlinks, CA certs).
+# /etc is one read-only folder built at start-up: copies of the few files a harness needs, identity files
+# that know the sandbox user, and mount points for the two host folders bound into it (fewer mounts,
+# faster start-up than binding each file).
+ETC_COPIES = ("ld.so.cache", "localtime", "mime.types")
+ETC_DIR_BINDS = ("alternatives", "ssl")
+INFO_TIMEOUT_S = 10.0
+
+
+def _etc_skeleton() -> Path:
+    """The sandbox's /etc, shared by all sandboxes of this backend (read-only inside)."""
+    d = Path(tempfile.mkdtemp(prefix="clawpipe-etc-"))
+    (d / "passwd").write_text(
+        f"root:x:0:0:root:/root:/bin/sh\nnobody:x:{SANDBOX_UID}:{SANDBOX_GID}:nobody:/nonexistent:/bin/sh\n"
+    )
+    (d / "group").write_text(f"root:x:0:\nnogroup:x:{SANDBOX_GID}:\n")
+    (d / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+    (d / "nsswitch.conf").write_text("passwd: files\ngroup: files\nhosts: files\n")
+    (d / "resolv.conf").write_text("")  # no DNS in a sandbox
+    for name in ETC_COPIES:
+        src = Path("/etc", name)
+        if src.is_file():
+            shutil.copyfile(src, d / name)
+    for f in d.iterdir():
+        f.chmod(0o644)
+    for name in ETC_DIR_BINDS:
+        if Path("/etc", name).is_dir():
+            (d / name).mkdir(mode=0o755)
+    d.chmod(0o755)
+    return d
+
+
+def _mkdirs_args(dest: Path, made: set[str]) -> list[str]:
+    """--dir entries (mode 0755) for every missing parent of ``dest``; bwrap would make them 0700."""
+    args: list[str] = []
+    for parent in reversed(dest.parents):
+        s = str(parent)
+        if s == "/" or s in made:
+            continue
+        made.add(s)
+        args += ["--perms", "0755", "--dir", s]
+    return args
+
+
+class BwrapBackend:
+    """Run harnesses under bubblewrap. One instance serves many concurrent rollouts."""
+
+    name = "bwrap"
+
+    def __init__(
+        self,
+        *,
+        python: PythonEnv | None = None,
+        inner_port: int = 8000,
+        cgroups: CgroupLayout | None = None,
+        bwrap: str | None = None,
+        tmpfs_mb: int = 256,
+    ) -> None:
+        self.bwrap = bwrap or shutil.which("bwrap") or ""
+        if not self.bwrap:
+            raise SandboxError("bubblewrap not found: apt-get install -y bubblewrap (or choose --backend process)")
+        self.setpriv = shutil.which("setpriv") or ""
+        if not self.setpriv.startswith("/usr/"):
+            raise SandboxError("setpriv (util-linux) not found under /usr: apt-get install -y util-linux")
+        if os.geteuid() != 0:
+            raise SandboxError(
+                "the bwrap backend runs bwrap as root so the sandbox can drop to uid 65534; run as root "
+                "(or use --backend docker / process)"
+            )
+        self.python = python or PythonEnv.current()
+        self.inner_port = inner_port
+        self.tmpfs_mb = tmpfs_mb
+        self.cgroups = cgroups if cgroups is not None else detect_cgroups()
+        sweep_stale_cgroups(self.cgroups)
+        self._etc = _etc_skeleton()
+        self._static = self._static_args()
+
+    def _static_args(self) -> list[str]:
+        args = [
+            self.bwrap,
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--hostname",
+            "sandbox",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+        ]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = Path("/") / top
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), f"/{top}"]
+        # /tmp and /dev/shm: private tmpfs, world-writable+sticky like a real one (charged to the memory limit).
+        size = str(self.tmpfs_mb << 20)
+        args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
+        args += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp", "--ro-bind", str(self._etc), "/etc"]
+        for name in ETC_DIR_BINDS:
+            if (self._etc / name).is_dir():
+                args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+        made: set[str] = {"/etc", "/tmp", "/proc", "/dev", "/usr"}
+        for p in self.python.mounts():
+            args += _mkdirs_args(p, made)
+            args += ["--ro-bind", str(p), str(p)]
+            made.add(str(p))
+        self._made = made
+        return args
+
+    def command(self, job: SandboxJob, info_w: int, block_r: int) -> list[str]:
+        env = harness_env(
+            job, port=self.inner_port, workdir=INNER_WORKDIR, task_path=INNER_TASK, path_dirs=[str(self.python.bin)]
+        )
+        args = [*self._static]
+        made = set(self._made)
+        for p in job.manifest.ro_paths:
+            args += _mkdirs_args(p, made)
+            args += ["--ro-bind", str(p), str(p)]
+        args += ["--ro-bind", str(job.manifest.dir), INNER_HARNESS]
+        args += ["--bind", str(job.workdir), INNER_WORKDIR, "--chdir", INNER_WORKDIR]
+        args += ["--ro-bind", str(job.task_path), INNER_TASK]
+        args += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
+        for k, v in env.items():
+            args += ["--setenv", k, v]
+        args += [
+            "--",
+            self.setpriv,
+            f"--reuid={SANDBOX_UID}",
+            f"--regid={SANDBOX_GID}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            "--",
+            *job.manifest.resolve_command(INNER_HARNESS),
+        ]
+        return args
+
+    def run(self, job: SandboxJob, bridge: Bridge) -> Outcome:
+        t0 = time.monotonic()
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        out = Outcome()
+        cgroup: Cgroup | None = None
+        route = None
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            with open(job.stdout_path, "wb") as so, open(job.stderr_path, "wb") as se:
+                proc = subprocess.Popen(
+                    self.command(job, info_w, block_r),
+                    stdin=subprocess.DEVNULL,
+                    stdout=so,
+                    stderr=se,
+                    pass_fds=(info_w, block_r),
+                    close_fds=True,
+                )
+            os.close(info_w)
+            os.close(block_r)
+            info_w = block_r = -1
+            child = self._read_child_pid(info_r, proc, job)
+            try:
+                cgroup = Cgroup(job.unique_name("clawpipe"), job.limits, self.cgroups)
+                cgroup.add(child)
+                missing = {"memory", "cpu", "pids"} - cgroup.controllers
+            except OSError as exc:
+                raise SandboxError(f"cgroup setup failed for {job.rollout_id}: {exc}") from exc
+            if missing:
+                apply_rlimits(child, job.limits, missing, job.timeout_s)
+            route = bridge.attach(listen_in_netns(child, self.inner_port))
+            os.write(block_w, b"1")
+            out.setup_ms = (time.monotonic() - t0) * 1000
+            rc = wait_for_exit(proc, job.timeout_s)
+            if rc is None:
+                out.timed_out = True
+                self._kill(child, proc, cgroup)
+                rc = proc.wait()
+            if cgroup is not None:
+                cgroup.kill_all()  # pid 1 gone means the namespace is gone; this is belt and braces
+                out.oom = cgroup.oom_killed()
+                out.pids_limited = cgroup.pids_limited()
+            if not out.timed_out:
+                if rc == 1:
+                    self._raise_if_setup_failed(job)
+                if rc > 128:
+                    out.signal = rc - 128
+                else:
+                    out.exit_code = rc
+            return out
+        except SandboxError:
+            raise
+        except OSError as exc:
+            raise SandboxError(f"bwrap sandbox for {job.rollout_id} failed to start: {exc}") from exc
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if route is not None:
+                out.requests = route.requests
+                out.notes.extend(route.errors)
+                out.proxy_unreachable = route.unreachable
+                bridge.detach(route)
+            if cgroup is not None:
+                cgroup.remove()
+            for fd in (info_r, info_w, block_r, block_w):
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+
+    def _read_child_pid(self, info_r: int, proc: subprocess.Popen[bytes], job: SandboxJob) -> int:
+        buf = b""
+        deadline = time.monotonic() + INFO_TIMEOUT_S
+        decoder = json.JSONDecoder()
+        while time.monotonic() < deadline:
+            chunk = os.read(info_r, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            try:
+                info, _ = decoder.raw_decode(buf.decode())
+                return int(info["child-pid"])
+            except (ValueError, KeyError):
+                continue
+        proc.wait(timeout=5)
+        err = job.stderr_path.read_text(errors="replace")[-2000:] if job.stderr_path.exists() else ""
+        raise SandboxError(f"bwrap did not start (exit {proc.returncode}): {err.strip() or 'no output'}")
+
+    @staticmethod
+    def _raise_if_setup_failed(job: SandboxJob) -> None:
+        """bwrap exits 1 with a single "bwrap: ..." line when the sandbox itself could not be built."""
+        text = job.stderr_path.read_bytes()[:4096].decode(errors="replace")
+        if text.startswith("bwrap: ") and text.count("\n") <= 1:
+            raise SandboxError(f"bwrap could not set up the sandbox: {text.strip()}")
+
+    @staticmethod
+    def _kill(child: int, proc: subprocess.Popen[bytes], cgroup: Cgroup | None) -> None:
+        try:
+            os.kill(child, 9)  # pid 1 of the namespace: the kernel kills every process in it
+        except ProcessLookupError:
+            pass
+        if cgroup is not None:
+            cgroup.kill_all()
+        proc.kill()
+
+    def close(self) -> None:
+        shutil.rmtree(self._etc, ignore_errors=True)

@@ -1,0 +1,266 @@
+"""The docker backend: each rollout in a container with --network none plus the bridge, no registry needed.
+
+Image: ``clawpipe-sandbox:<hash>``, built locally on first use by ``docker import`` of a nearly empty root
+filesystem (directories, the /bin -> usr/bin symlinks, passwd/group/hosts that know uid 65534); /usr,
+the Python environment, the harness folder (/harness), the task (/task.json) and the work dir
+(/workdir, rw) are bind mounts, everything else is read-only (``read_only=True``, private /tmp tmpfs).
+
+Network: a small *holder* container (``sleep infinity``, network none) owns the network namespace; the
+host opens the bridge listener inside it (State.Pid) and the harness container joins it with
+``network_mode=container:<holder>`` (the pod pattern), so the listener exists before the harness runs.
+Limits: mem_limit (= memswap), nano_cpus, pids_limit; cap_drop ALL, no-new-privileges, uid 65534.
+The SDK's ``container.wait(timeout=...)`` raises requests' ConnectionError/ReadTimeout on timeout
+(NOTES): that is the timeout path, after which the container is killed. Both containers are removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from clawpipe.errors import SandboxError
+from clawpipe.sandbox.backends.base import (
+    INNER_HARNESS,
+    INNER_TASK,
+    INNER_WORKDIR,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    Outcome,
+    PythonEnv,
+    SandboxJob,
+    harness_env,
+)
+from clawpipe.sandbox.bridge import Bridge, listen_in_netns
+
+logger = logging.getLogger(__name__)
+
+IMAGE_REPO = "clawpipe-sandbox"
+LABEL = "clawpipe.sandbox"
+ETC_BINDS = ("ld.so.cache", "localtime", "alternatives", "ssl", "ca-certificates")
+_image_lock = threading.Lock()
+
+
+def _rootfs_tar() -> bytes:
+    """A minimal root filesystem: empty mount points, /bin-style symlinks into /usr, identity files."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+
+        def add_dir(name: str, mode: int = 0o755) -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, mode
+            tar.addfile(info)
+
+        def add_file(name: str, text: str) -> None:
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+
+        for d in ("usr", "etc", "dev", "proc", "sys", "root", "workdir", "harness", "run"):
+            add_dir(d)
+        add_dir("tmp", 0o1777)
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = Path("/") / top
+            if host.is_symlink():
+                info = tarfile.TarInfo(top)
+                info.type, info.linkname = tarfile.SYMTYPE, str(host.readlink())
+                tar.addfile(info)
+            elif host.is_dir():  # a real directory on this host: bound read-only at run time
+                add_dir(top)
+        add_file(
+            "etc/passwd", f"root:x:0:0:root:/root:/bin/sh\nnobody:x:{SANDBOX_UID}:{SANDBOX_GID}::/nonexistent:/bin/sh\n"
+        )
+        add_file("etc/group", f"root:x:0:\nnogroup:x:{SANDBOX_GID}:\n")
+        add_file("etc/hosts", "127.0.0.1 localhost\n::1 localhost\n")
+        add_file("etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files\n")
+        add_file("etc/resolv.conf", "")
+        add_file("task.json", "")
+    return buf.getvalue()
+
+
+def ensure_image(client: docker.DockerClient, name: str | None = None) -> str:
+    """Import the sandbox image into this engine unless it is there already; returns its name.
+
+    The default name is tagged with a hash of the root filesystem, so a changed skeleton gets a new image.
+    """
+    data = _rootfs_tar()
+    name = name or f"{IMAGE_REPO}:{hashlib.sha256(data).hexdigest()[:12]}"
+    with _image_lock:
+        try:
+            client.images.get(name)
+            return name
+        except docker.errors.ImageNotFound:
+            pass
+        repo, _, tag = name.partition(":")
+        client.api.import_image_from_data(data, repository=repo, tag=tag or "latest")
+        client.images.get(name)
+        logger.info("imported sandbox image %s", name)
+        return name
+
+
+class DockerBackend:
+    """Run harnesses in Docker containers on the engine that DOCKER_HOST (or the default socket) names."""
+
+    name = "docker"
+
+    def __init__(
+        self,
+        *,
+        python: PythonEnv | None = None,
+        inner_port: int = 8000,
+        image: str | None = None,
+        base_url: str | None = None,
+        tmpfs_mb: int = 256,
+    ) -> None:
+        try:
+            self.client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
+            self.client.ping()
+        except docker.errors.DockerException as exc:
+            raise SandboxError(f"no Docker engine answers ({exc}); start dockerd or set DOCKER_HOST") from exc
+        self.python = python or PythonEnv.current()
+        self.inner_port = inner_port
+        self.tmpfs_mb = tmpfs_mb
+        try:
+            self.image = ensure_image(self.client, image)
+        except docker.errors.DockerException as exc:
+            raise SandboxError(f"could not import the sandbox image: {exc}") from exc
+
+    def _volumes(self, job: SandboxJob) -> dict[str, dict[str, str]]:
+        vols: dict[str, dict[str, str]] = {"/usr": {"bind": "/usr", "mode": "ro"}}
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = Path("/") / top
+            if host.is_dir() and not host.is_symlink():
+                vols[str(host)] = {"bind": str(host), "mode": "ro"}
+        for name in ETC_BINDS:
+            if Path("/etc", name).exists():
+                vols[f"/etc/{name}"] = {"bind": f"/etc/{name}", "mode": "ro"}
+        for p in [*self.python.mounts(), *job.manifest.ro_paths]:
+            vols[str(p)] = {"bind": str(p), "mode": "ro"}
+        vols[str(job.manifest.dir)] = {"bind": INNER_HARNESS, "mode": "ro"}
+        vols[str(job.task_path)] = {"bind": INNER_TASK, "mode": "ro"}
+        vols[str(job.workdir)] = {"bind": INNER_WORKDIR, "mode": "rw"}
+        return vols
+
+    def _common(self, job: SandboxJob) -> dict[str, Any]:
+        return {
+            "user": f"{SANDBOX_UID}:{SANDBOX_GID}",
+            "read_only": True,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "labels": {LABEL: job.rollout_id},
+        }
+
+    def run(self, job: SandboxJob, bridge: Bridge) -> Outcome:
+        t0 = time.monotonic()
+        out = Outcome()
+        suffix = job.unique_name("")
+        holder = container = route = None
+        try:
+            try:
+                holder = self.client.containers.run(
+                    self.image,
+                    ["/usr/bin/sleep", "infinity"],
+                    name=f"cp-hold{suffix}",
+                    detach=True,
+                    network_mode="none",
+                    volumes={"/usr": {"bind": "/usr", "mode": "ro"}},
+                    mem_limit="16m",
+                    pids_limit=4,
+                    **self._common(job),
+                )
+                holder.reload()
+                pid = int(holder.attrs["State"]["Pid"])
+                if not pid:
+                    raise SandboxError(f"holder container for {job.rollout_id} is not running")
+                route = bridge.attach(listen_in_netns(pid, self.inner_port))
+                env = harness_env(
+                    job,
+                    port=self.inner_port,
+                    workdir=INNER_WORKDIR,
+                    task_path=INNER_TASK,
+                    path_dirs=[str(self.python.bin)],
+                )
+                mem = f"{job.limits.memory_mb}m"
+                container = self.client.containers.create(
+                    self.image,
+                    job.manifest.resolve_command(INNER_HARNESS),
+                    name=f"cp-run{suffix}",
+                    network_mode=f"container:{holder.id}",
+                    environment=env,
+                    working_dir=INNER_WORKDIR,
+                    volumes=self._volumes(job),
+                    tmpfs={"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_mb}m,mode=1777"},
+                    mem_limit=mem,
+                    memswap_limit=mem,
+                    nano_cpus=int(job.limits.cpus * 1e9),
+                    pids_limit=job.limits.pids,
+                    stdin_open=False,
+                    **self._common(job),
+                )
+                container.start()
+            except docker.errors.DockerException as exc:
+                raise SandboxError(f"docker could not start the sandbox for {job.rollout_id}: {exc}") from exc
+            out.setup_ms = (time.monotonic() - t0) * 1000
+            status: dict[str, Any] | None = None
+            try:
+                status = container.wait(timeout=job.timeout_s)
+            except (requests.exceptions.ConnectionError, requests.exceptions.ReadTimeout):
+                out.timed_out = True  # the SDK reports its wait timeout as a connection error
+            if out.timed_out:
+                try:
+                    container.kill()
+                except docker.errors.APIError:
+                    pass
+                status = container.wait(timeout=30)
+            container.reload()
+            state = container.attrs["State"]
+            out.oom = bool(state.get("OOMKilled"))
+            code = int((status or {}).get("StatusCode", state.get("ExitCode", -1)))
+            if not out.timed_out:
+                if code > 128:
+                    out.signal = code - 128
+                else:
+                    out.exit_code = code
+            self._save_logs(container, job)
+            return out
+        finally:
+            if route is not None:
+                out.requests = route.requests
+                out.notes.extend(route.errors)
+                out.proxy_unreachable = route.unreachable
+                bridge.detach(route)
+            for c in (container, holder):
+                if c is not None:
+                    try:
+                        c.remove(force=True)
+                    except docker.errors.DockerException as exc:
+                        logger.warning("could not remove container %s: %s", c.name, exc)
+
+    @staticmethod
+    def _save_logs(container: Any, job: SandboxJob) -> None:
+        try:
+            job.stdout_path.write_bytes(container.logs(stdout=True, stderr=False))
+            job.stderr_path.write_bytes(container.logs(stdout=False, stderr=True))
+        except docker.errors.DockerException as exc:
+            job.stderr_path.write_text(f"(logs unavailable: {exc})")
+
+    def cleanup(self) -> int:
+        """Remove any clawpipe containers left behind (e.g. by a killed runner); returns how many."""
+        n = 0
+        for c in self.client.containers.list(all=True, filters={"label": LABEL}):
+            c.remove(force=True)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        self.client.close()

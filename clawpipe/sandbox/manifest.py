@@ -1,0 +1,334 @@
+"""Harness manifests (``harnesses/<name>/harness.toml``) and task instance files, parsed and validated.
+
+Everything here fails before any sandbox starts, with a :class:`ManifestError` that names the file, the
+field and what is allowed. The manifest format is CONTRACTS section C; see README "Writing a harness".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clawpipe.errors import ManifestError
+from clawpipe.sandbox.limits import Limits
+
+MANIFEST_NAME = "harness.toml"
+APIS = ("openai", "anthropic")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Variables the runner sets for every harness; a manifest may not override them.
+RESERVED_ENV = frozenset(
+    {
+        "OPENAI_BASE_URL",
+        "OPENAI_API_KEY",
+        "OPENAI_MODEL",
+        "ANTHROPIC_BASE_URL",
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_MODEL",
+        "CLAWPIPE_MODEL",
+        "CLAWPIPE_TASK",
+        "CLAWPIPE_WORKDIR",
+        "CLAWPIPE_OUTPUT",
+        "HOME",
+        "PATH",
+        "CLAWPIPE_TIMEOUT_S",
+    }
+)
+_TOP_KEYS = {
+    "name",
+    "description",
+    "api",
+    "command",
+    "task_sets",
+    "timeout_s",
+    "files",
+    "resources",
+    "env",
+    "training",
+    "sandbox",
+}
+_SANDBOX_KEYS = {"ro_paths"}
+_RESOURCE_KEYS = {"memory_mb", "cpus", "pids"}
+_TRAINING_KEYS = {"exclude_side_calls"}
+TASK_KEYS = {"task_set": str, "task_id": str, "prompt": str, "data": dict, "max_turns": int}
+
+
+@dataclass(frozen=True, slots=True)
+class HarnessManifest:
+    """A validated harness manifest. ``dir`` is the harness folder (mounted read-only at /harness)."""
+
+    name: str
+    dir: Path
+    command: tuple[str, ...]
+    api: str = "openai"
+    description: str = ""
+    task_sets: tuple[str, ...] = ()
+    timeout_s: float = 60.0
+    files: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    env: Mapping[str, str] = field(default_factory=dict)
+    exclude_side_calls: bool = False
+    ro_paths: tuple[Path, ...] = ()  # extra host paths bound read-only at the same path (e.g. a node install)
+
+    def resolve_command(self, harness_root: str | Path) -> list[str]:
+        """The argv with relative paths that name files in the harness folder rewritten under ``harness_root``.
+
+        ``harness_root`` is where the folder is visible to the harness: /harness in a sandbox, the real
+        folder for the process backend. Bare program names (``python3``) are left to PATH.
+        """
+        out: list[str] = []
+        for i, arg in enumerate(self.command):
+            candidate = self.dir / arg
+            looks_like_path = i > 0 or "/" in arg
+            if not arg.startswith("/") and not arg.startswith("-") and looks_like_path and candidate.exists():
+                out.append(f"{str(harness_root).rstrip('/')}/{arg.removeprefix('./')}")
+            else:
+                out.append(arg)
+        return out
+
+
+def _fail(path: Path, msg: str) -> ManifestError:
+    return ManifestError(f"{path}: {msg}")
+
+
+def _expect(path: Path, table: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = table[key]
+    if isinstance(value, bool) and kind is not bool and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise _fail(path, f"`{key}` must be {what}, got {value!r}")
+    if not isinstance(value, kind):
+        raise _fail(path, f"`{key}` must be {what}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def parse_manifest(data: Mapping[str, Any], path: Path) -> HarnessManifest:
+    """Validate a parsed harness.toml (``path`` is the manifest file, for messages and the harness dir)."""
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise _fail(path, f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    for key in ("name", "command"):
+        if key not in data:
+            raise _fail(path, f"missing required key `{key}`")
+    name = _expect(path, data, "name", str, "a string")
+    if not _NAME_RE.match(name):
+        raise _fail(path, f"`name` {name!r} must be lowercase letters, digits, '-', '_' or '.' (at most 64)")
+    if path.parent.name != name:
+        raise _fail(path, f"`name` {name!r} must equal its folder name {path.parent.name!r}")
+    command = _expect(path, data, "command", list, 'a list of strings like ["python3", "harness.py"]')
+    if not command or not all(isinstance(a, str) and a for a in command):
+        raise _fail(path, '`command` must be a non-empty list of non-empty strings like ["python3", "harness.py"]')
+    api = data.get("api", "openai")
+    if api not in APIS:
+        raise _fail(path, f"`api` must be one of {list(APIS)}, got {api!r}")
+    description = _expect(path, data, "description", str, "a string") if "description" in data else ""
+    task_sets: list[str] = []
+    if "task_sets" in data:
+        task_sets = _expect(path, data, "task_sets", list, "a list of task set names")
+        if not all(isinstance(t, str) and t for t in task_sets):
+            raise _fail(path, "`task_sets` must be a list of task set names (strings)")
+    timeout_s = 60.0
+    if "timeout_s" in data:
+        timeout_s = float(_expect(path, data, "timeout_s", (int, float), "a number of seconds"))
+        if not 0 < timeout_s <= 86400:
+            raise _fail(path, f"`timeout_s` must be in (0, 86400], got {timeout_s}")
+    files: list[str] = []
+    if "files" in data:
+        files = _expect(path, data, "files", list, "a list of paths relative to the harness folder")
+        for f in files:
+            if not isinstance(f, str) or f.startswith("/") or ".." in Path(f).parts:
+                raise _fail(path, f"`files` entry {f!r} must be a relative path inside the harness folder")
+            if not (path.parent / f).exists():
+                raise _fail(path, f"`files` entry {f!r} does not exist in {path.parent}")
+    limits = _parse_resources(path, data.get("resources", {}))
+    env = _parse_env(path, data.get("env", {}))
+    training = data.get("training", {})
+    if not isinstance(training, dict):
+        raise _fail(path, "[training] must be a table")
+    if set(training) - _TRAINING_KEYS:
+        raise _fail(path, f"unknown [training] key(s) {sorted(set(training) - _TRAINING_KEYS)}")
+    exclude = training.get("exclude_side_calls", False)
+    if not isinstance(exclude, bool):
+        raise _fail(path, "`training.exclude_side_calls` must be true or false")
+    ro_paths = _parse_sandbox(path, data.get("sandbox", {}))
+    manifest = HarnessManifest(
+        name=name,
+        dir=path.parent.resolve(),
+        command=tuple(command),
+        api=api,
+        description=description,
+        task_sets=tuple(task_sets),
+        timeout_s=timeout_s,
+        files=tuple(files),
+        limits=limits,
+        env=env,
+        exclude_side_calls=exclude,
+        ro_paths=ro_paths,
+    )
+    first = command[0]
+    if "/" in first and not first.startswith("/") and not (manifest.dir / first).exists():
+        raise _fail(path, f"`command[0]` {first!r} is not a file in {manifest.dir}")
+    return manifest
+
+
+def _parse_resources(path: Path, res: Any) -> Limits:
+    if not isinstance(res, dict):
+        raise _fail(path, "[resources] must be a table with memory_mb, cpus, pids")
+    if set(res) - _RESOURCE_KEYS:
+        raise _fail(
+            path, f"unknown [resources] key(s) {sorted(set(res) - _RESOURCE_KEYS)}; allowed: memory_mb, cpus, pids"
+        )
+    d = Limits()
+    memory_mb = res.get("memory_mb", d.memory_mb)
+    cpus = res.get("cpus", d.cpus)
+    pids = res.get("pids", d.pids)
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not 16 <= memory_mb <= 1 << 20:
+        raise _fail(path, f"`resources.memory_mb` must be an integer from 16 to 1048576, got {memory_mb!r}")
+    if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not 0.01 <= cpus <= 1024:
+        raise _fail(path, f"`resources.cpus` must be a number from 0.01 to 1024, got {cpus!r}")
+    if isinstance(pids, bool) or not isinstance(pids, int) or not 4 <= pids <= 1 << 20:
+        raise _fail(path, f"`resources.pids` must be an integer from 4 up, got {pids!r}")
+    return Limits(memory_mb=memory_mb, cpus=float(cpus), pids=pids)
+
+
+def _parse_sandbox(path: Path, table: Any) -> tuple[Path, ...]:
+    """[sandbox] ro_paths: absolute, or relative to the folder holding harnesses/ (the repository root)."""
+    if not isinstance(table, dict):
+        raise _fail(path, "[sandbox] must be a table")
+    if set(table) - _SANDBOX_KEYS:
+        raise _fail(path, f"unknown [sandbox] key(s) {sorted(set(table) - _SANDBOX_KEYS)}; allowed: ro_paths")
+    ro = table.get("ro_paths", [])
+    if not isinstance(ro, list) or not all(isinstance(x, str) and x for x in ro):
+        raise _fail(path, "`sandbox.ro_paths` must be a list of paths")
+    root = path.resolve().parent.parent.parent
+    out = []
+    for x in ro:
+        p = Path(x) if x.startswith("/") else (root / x)
+        p = Path(os.path.normpath(p))
+        if p == Path("/") or ".." in Path(x).parts:
+            raise _fail(path, f"`sandbox.ro_paths` entry {x!r} must name a specific folder, not / or a parent")
+        out.append(p)
+    return tuple(out)
+
+
+def _parse_env(path: Path, env: Any) -> dict[str, str]:
+    if not isinstance(env, dict):
+        raise _fail(path, '[env] must be a table of NAME = "value" strings')
+    out: dict[str, str] = {}
+    for k, v in env.items():
+        if not _ENV_RE.match(k):
+            raise _fail(path, f"[env] name {k!r} is not a valid environment variable name")
+        if k in RESERVED_ENV:
+            raise _fail(path, f"[env] may not set {k}: the runner sets it for every harness")
+        if not isinstance(v, str):
+            raise _fail(path, f"[env] {k} must be a string, got {type(v).__name__} (quote it)")
+        out[k] = v
+    return out
+
+
+def load_manifest(path: str | Path) -> HarnessManifest:
+    """Read and validate one harness.toml (or a harness folder containing one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / MANIFEST_NAME
+    if not p.is_file():
+        raise ManifestError(f"{p}: no harness manifest here; a harness is a folder with a {MANIFEST_NAME}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{p}: not valid TOML: {exc}") from exc
+    return parse_manifest(data, p)
+
+
+def default_harness_dirs() -> list[Path]:
+    """Where harnesses are looked up by default: ./harnesses, then the repository's harnesses/."""
+    dirs = [Path.cwd() / "harnesses", Path(__file__).resolve().parents[2] / "harnesses"]
+    seen: list[Path] = []
+    for d in dirs:
+        r = d.resolve()
+        if r not in seen:
+            seen.append(r)
+    return seen
+
+
+def list_harnesses(dirs: Iterable[str | Path] | None = None) -> list[Path]:
+    """Manifest paths found in the harness directories (first directory wins on a name clash)."""
+    found: dict[str, Path] = {}
+    for d in dirs if dirs is not None else default_harness_dirs():
+        for m in sorted(Path(d).glob(f"*/{MANIFEST_NAME}")):
+            found.setdefault(m.parent.name, m)
+    return [found[k] for k in sorted(found)]
+
+
+def find_harness(name: str, dirs: Iterable[str | Path] | None = None) -> HarnessManifest:
+    """Load the harness called ``name`` (or a path to a harness folder / manifest)."""
+    if "/" in name or name.endswith(".toml"):
+        return load_manifest(name)
+    search = list(dirs) if dirs is not None else default_harness_dirs()
+    for d in search:
+        m = Path(d) / name / MANIFEST_NAME
+        if m.is_file():
+            return load_manifest(m)
+    known = [p.parent.name for p in list_harnesses(search)]
+    raise ManifestError(
+        f"no harness named {name!r} in {[str(d) for d in search]}; known: {known or 'none'}. "
+        f"Create <dir>/{name}/{MANIFEST_NAME} or pass its parent folder as a harness dir (--harness-dir)"
+    )
+
+
+def validate_task(task: Any, where: str = "task") -> dict[str, Any]:
+    """Check one task instance (CONTRACTS C) and return it; raise ManifestError naming what is wrong."""
+    if not isinstance(task, dict):
+        raise ManifestError(f"{where}: a task instance must be a JSON object, got {type(task).__name__}")
+    for key, kind in TASK_KEYS.items():
+        if key not in task:
+            raise ManifestError(f"{where}: missing `{key}` (a task needs {sorted(TASK_KEYS)})")
+        value = task[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ManifestError(f"{where}: `{key}` must be {kind.__name__}, got {type(value).__name__}")
+    if not task["task_id"] or "/" in task["task_id"]:
+        raise ManifestError(f"{where}: `task_id` must be non-empty without '/'")
+    if task["max_turns"] < 1:
+        raise ManifestError(f"{where}: `max_turns` must be >= 1")
+    try:
+        json.dumps(task)
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"{where}: not JSON-serialisable: {exc}") from exc
+    return task
+
+
+def load_task_file(path: str | Path) -> list[dict[str, Any]]:
+    """Task instances from a JSON file (one object or a list) or a JSONL file; every one validated."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ManifestError(f"{p}: cannot read task file: {exc}") from exc
+    tasks: list[Any]
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            tasks = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{p}: not valid JSON: {exc}") from exc
+        return [validate_task(t, f"{p}[{i}]") for i, t in enumerate(tasks)]
+    try:
+        return [validate_task(json.loads(text), str(p))]
+    except json.JSONDecodeError:
+        pass
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{p}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})") from exc
+        out.append(validate_task(obj, f"{p}:{lineno}"))
+    if not out:
+        raise ManifestError(f"{p}: no task instances in file")
+    return out

@@ -1,0 +1,503 @@
+"""The rollout runner: many harness executions at once, one durable result row per rollout.
+
+:func:`run_rollouts` (or the streaming :func:`iter_rollouts`) takes :class:`RolloutSpec` s, prepares each
+rollout's folder on the host (work dir, task JSON, the task set's starting files), mints its proxy key,
+runs it in a backend with bounded concurrency, computes the reward with the task set's verifier after
+the harness exits, and appends the row to the results JSONL (CONTRACTS D) the moment it is known, so
+nothing is lost if the batch dies. Only infra errors (a sandbox that would not start) are retried;
+:func:`masked_groups` names GRPO groups that an infra failure left incomplete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from clawpipe.capture import append_result
+from clawpipe.errors import ConfigError, ManifestError, SandboxError
+from clawpipe.keys import mint_key
+from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob, get_backend
+from clawpipe.sandbox.bridge import Bridge, parse_proxy_url
+from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
+from clawpipe.schemas import RolloutStatus
+
+logger = logging.getLogger(__name__)
+
+STDERR_TAIL_BYTES = 4000
+
+
+class TaskSetLike(Protocol):
+    """What the runner needs of a task set (clawpipe.tasks.TaskSet satisfies it)."""
+
+    name: str
+
+    def prepare(self, task: dict[str, Any], workdir: Path) -> None: ...
+
+    def verify(self, task: dict[str, Any], workdir: Path) -> tuple[float, dict[str, Any]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSpec:
+    """One rollout to run: which harness plays which task instance, and where its calls are attributed."""
+
+    run_id: str
+    iteration: int
+    harness: str | HarnessManifest  # a name found under harnesses/, a folder path, or a loaded manifest
+    task: dict[str, Any]  # a task instance (CONTRACTS C)
+    model: str  # the served model name the harness is told to use
+    group_id: str | None = None  # GRPO group; default: the task id
+    sample_idx: int = 0
+    rollout_id: str | None = None  # default: <group_id>.<sample_idx>, deterministic so a rerun overwrites
+    policy_version: int | None = None
+    eval: bool = False
+
+    @property
+    def group(self) -> str:
+        return self.group_id or str(self.task.get("task_id", ""))
+
+    @property
+    def id(self) -> str:
+        return self.rollout_id or f"{self.group}.{self.sample_idx}"
+
+
+@dataclass(slots=True)
+class RolloutResult:
+    """A rollout's result row: the `rollouts` table's columns (schemas.ROLLOUTS), timestamps as ISO strings."""
+
+    rollout_id: str
+    run_id: str
+    iteration: int
+    group_id: str
+    harness: str
+    task_set: str
+    task_id: str
+    sample_idx: int
+    backend: str
+    status: str
+    exit_code: int | None = None
+    reward: float | None = None
+    reward_info: str | None = None  # JSON
+    n_calls: int = 0
+    started_at: str | None = None
+    ended_at: str | None = None
+    duration_s: float = 0.0
+    stderr_tail: str = ""
+    error: str | None = None
+    attempt: int = 1
+    policy_version: int | None = None
+    eval: bool = False
+    workdir: str | None = field(default=None, metadata={"row": False})  # kept work dir, if any
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row.pop("workdir")
+        return row
+
+    @property
+    def infra_failed(self) -> bool:
+        return self.status == RolloutStatus.infra_error
+
+
+ProgressFn = Callable[[RolloutResult, int, int], None]
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def classify(outcome: Outcome) -> RolloutStatus:
+    """Turn how the process tree ended into a rollout status."""
+    if outcome.timed_out:
+        return RolloutStatus.timeout
+    if outcome.oom and outcome.exit_code != 0:
+        return RolloutStatus.oom
+    if outcome.signal is not None:
+        return RolloutStatus.crashed
+    if outcome.exit_code == 0:
+        return RolloutStatus.succeeded
+    return RolloutStatus.failed
+
+
+def masked_groups(results: Iterable[RolloutResult | Mapping[str, Any]]) -> set[tuple[str, int, str]]:
+    """(run_id, iteration, group_id) of GRPO groups with a member that failed for infra reasons.
+
+    Such a group is incomplete for reasons unrelated to the policy; its advantages would be biased, so
+    training should skip it. Works on RolloutResult objects or result rows.
+    """
+    out: set[tuple[str, int, str]] = set()
+    for r in results:
+        row = r.to_row() if isinstance(r, RolloutResult) else r
+        if row["status"] == RolloutStatus.infra_error:
+            out.add((row["run_id"], int(row["iteration"]), row["group_id"]))
+    return out
+
+
+def scrub_workdir(workdir: Path) -> list[str]:
+    """Remove what a harness may have planted for the host-side verifier: symlinks leaving the work dir,
+    FIFOs, sockets and device nodes. Returns the removed paths (relative)."""
+    removed: list[str] = []
+    root = workdir.resolve()
+    for dirpath, dirnames, filenames in os.walk(workdir, followlinks=False):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath) / name
+            try:
+                st = p.lstat()
+            except OSError:
+                continue
+            bad = False
+            if stat.S_ISLNK(st.st_mode):
+                target = Path(os.path.realpath(p))
+                bad = target != root and root not in target.parents
+            elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                bad = True
+            if bad:
+                p.unlink(missing_ok=True)
+                removed.append(str(p.relative_to(workdir)))
+    return removed
+
+
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    os.chown(path, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames]:
+            os.chown(Path(dirpath) / name, uid, gid, follow_symlinks=False)
+
+
+def _ends_with_memory_error(stderr_tail: str) -> bool:
+    lines = [line for line in stderr_tail.strip().splitlines() if line.strip()]
+    return bool(lines) and lines[-1].startswith("MemoryError")
+
+
+def _open_tree(path: Path) -> None:
+    path.chmod(0o777)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames:
+            (Path(dirpath) / name).chmod(0o777)
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                p.chmod(0o666)
+
+
+def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+class _Batch:
+    """Shared state of one run_rollouts call."""
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        bridge: Bridge,
+        secret: bytes,
+        scratch: Path,
+        results_path: Callable[[RolloutSpec], Path],
+        task_sets: Mapping[str, TaskSetLike],
+        max_attempts: int,
+        keep_workdirs: bool,
+        timeout_s: float | None,
+    ) -> None:
+        self.backend = backend
+        self.bridge = bridge
+        self.secret = secret
+        self.scratch = scratch
+        self.results_path = results_path
+        self.task_sets = dict(task_sets)
+        self.max_attempts = max_attempts
+        self.keep_workdirs = keep_workdirs
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+
+    def task_set(self, name: str) -> TaskSetLike:
+        with self._lock:
+            if name not in self.task_sets:
+                from clawpipe.tasks import get_task_set
+
+                self.task_sets[name] = get_task_set(name)
+            return self.task_sets[name]
+
+    def prepare_dir(self, spec: RolloutSpec, manifest: HarnessManifest) -> Path:
+        rdir = self.scratch / spec.run_id / f"iter-{spec.iteration}" / spec.id
+        if rdir.exists():
+            shutil.rmtree(rdir)
+        work = rdir / "work"
+        (work / "out").mkdir(parents=True)
+        (work / "home").mkdir()
+        (rdir / "task.json").write_text(json.dumps(spec.task))
+        (rdir / "task.json").chmod(0o644)
+        self.task_set(spec.task["task_set"]).prepare(spec.task, work)
+        if self.backend.name != "process":
+            if os.geteuid() == 0:
+                _chown_tree(work, SANDBOX_UID, SANDBOX_GID)
+            else:  # e.g. docker as a member of the docker group: let uid 65534 write anyway
+                _open_tree(work)
+        return rdir
+
+    def run_one(self, spec: RolloutSpec, manifest: HarnessManifest) -> RolloutResult:
+        task = spec.task
+        result = RolloutResult(
+            rollout_id=spec.id,
+            run_id=spec.run_id,
+            iteration=spec.iteration,
+            group_id=spec.group,
+            harness=manifest.name,
+            task_set=task["task_set"],
+            task_id=task["task_id"],
+            sample_idx=spec.sample_idx,
+            backend=self.backend.name,
+            status=RolloutStatus.infra_error,
+            policy_version=spec.policy_version,
+            eval=spec.eval,
+            started_at=_now(),
+        )
+        t0 = time.monotonic()
+        key = mint_key(self.secret, run_id=spec.run_id, iteration=spec.iteration, rollout_id=spec.id)
+        timeout = self.timeout_s or manifest.timeout_s
+        rdir: Path | None = None
+        outcome: Outcome | None = None
+        for attempt in range(1, self.max_attempts + 1):
+            result.attempt = attempt
+            try:
+                rdir = self.prepare_dir(spec, manifest)
+                job = SandboxJob(spec.id, manifest, rdir, key, spec.model, timeout, manifest.limits)
+                ran = self.backend.run(job, self.bridge)
+                if ran.proxy_unreachable and classify(ran) != RolloutStatus.succeeded:
+                    raise SandboxError(f"the harness could not reach the proxy: {'; '.join(ran.notes)}")
+                outcome = ran
+                break
+            except SandboxError as exc:
+                result.error = str(exc)
+                if rdir is not None:
+                    result.stderr_tail = _tail(rdir / "stderr.log")
+                logger.warning(
+                    "rollout=%s attempt=%d infra error: %s stderr=%r", spec.id, attempt, exc, result.stderr_tail[-500:]
+                )
+                if attempt < self.max_attempts:
+                    time.sleep(min(2.0, 0.2 * attempt))
+            except Exception as exc:  # a task set's prepare() or our own bug: not the harness's fault
+                result.error = f"{type(exc).__name__}: {exc}"
+                logger.exception("rollout=%s setup failed", spec.id)
+                break
+        if outcome is not None and rdir is not None:
+            result.status = classify(outcome)
+            result.exit_code = outcome.exit_code
+            result.n_calls = outcome.requests
+            result.error = "; ".join(outcome.notes) or None
+            result.stderr_tail = _tail(rdir / "stderr.log")
+            if result.status == RolloutStatus.failed and _ends_with_memory_error(result.stderr_tail):
+                result.status = RolloutStatus.oom  # the rlimit fallback: Python raised MemoryError
+            self.score(result, spec, rdir / "work")
+        result.ended_at = _now()
+        result.duration_s = round(time.monotonic() - t0, 4)
+        path = self.results_path(spec)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            append_result(path, result.to_row())
+        if rdir is not None:
+            if self.keep_workdirs:
+                result.workdir = str(rdir / "work")
+            else:
+                shutil.rmtree(rdir, ignore_errors=True)
+        return result
+
+    def score(self, result: RolloutResult, spec: RolloutSpec, work: Path) -> None:
+        """Reward from the task set's verifier; a verifier that raises makes an infra error (not retried)."""
+        removed = scrub_workdir(work)
+        try:
+            reward, info = self.task_set(spec.task["task_set"]).verify(spec.task, work)
+            reward = float(reward)
+            if not 0.0 <= reward <= 1.0:
+                raise ValueError(f"reward {reward} outside [0, 1]")
+            if removed:
+                info = {**info, "scrubbed": removed}
+            result.reward = reward
+            result.reward_info = json.dumps(info, default=str)
+        except Exception as exc:
+            logger.exception("rollout=%s verifier failed", spec.id)
+            result.status = RolloutStatus.infra_error
+            result.error = f"verifier of {spec.task['task_set']!r} raised {type(exc).__name__}: {exc}"
+
+
+def _check_specs(specs: list[RolloutSpec], harness_dirs: list[Path] | None) -> dict[int, HarnessManifest]:
+    """Validate every spec (manifest, task, ids) before anything runs; return the manifest per spec index."""
+    cache: dict[str, HarnessManifest] = {}
+    out: dict[int, HarnessManifest] = {}
+    seen: set[tuple[str, int, str]] = set()
+    for i, spec in enumerate(specs):
+        if isinstance(spec.harness, HarnessManifest):
+            manifest = spec.harness
+        else:
+            if spec.harness not in cache:
+                cache[spec.harness] = find_harness(spec.harness, harness_dirs)
+            manifest = cache[spec.harness]
+        validate_task(spec.task, f"rollout {i} task")
+        for ro in manifest.ro_paths:
+            if not ro.exists():
+                raise ManifestError(
+                    f"harness {manifest.name!r} needs {ro} (sandbox.ro_paths) but it does not exist; install it first"
+                )
+        if manifest.task_sets and spec.task["task_set"] not in manifest.task_sets:
+            raise ManifestError(
+                f"harness {manifest.name!r} supports task sets {list(manifest.task_sets)}, "
+                f"not {spec.task['task_set']!r} (add it to task_sets in its harness.toml)"
+            )
+        for name, value in (("run_id", spec.run_id), ("rollout_id", spec.id)):
+            if not value or "/" in value or "\x1f" in value or value.startswith("."):
+                raise ConfigError(f"rollout {i}: {name}={value!r} must be non-empty, without '/', not start with '.'")
+        ident = (spec.run_id, spec.iteration, spec.id)
+        if ident in seen:
+            raise ConfigError(
+                f"rollout {i}: duplicate rollout id {spec.id!r} in run {spec.run_id} iteration {spec.iteration}"
+            )
+        seen.add(ident)
+        out[i] = manifest
+    return out
+
+
+def check_proxy(proxy_url: str, timeout_s: float = 3.0) -> None:
+    """Fail fast, before any sandbox starts, when nothing listens at the proxy's address."""
+    host, port = parse_proxy_url(proxy_url)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise SandboxError(
+            f"nothing answers at the proxy {proxy_url} ({exc}); start it first (clawpipe proxy --upstream URL)"
+        ) from exc
+
+
+def default_results_path(run_id: str, iteration: int, batch: str, captures_dir: Path | None = None) -> Path:
+    """<captures>/results/<run_id>/<iteration>/results-<batch>.jsonl (CONTRACTS D)."""
+    if captures_dir is None:
+        from clawpipe.config import get_settings
+
+        captures_dir = get_settings().captures_dir
+    return captures_dir / "results" / run_id / str(iteration) / f"results-{batch}.jsonl"
+
+
+def iter_rollouts(
+    specs: Iterable[RolloutSpec],
+    *,
+    proxy_url: str,
+    backend: str | Backend = "bwrap",
+    concurrency: int = 8,
+    results_path: str | Path | None = None,
+    secret: bytes | None = None,
+    scratch_dir: str | Path | None = None,
+    task_sets: Mapping[str, TaskSetLike] | None = None,
+    harness_dirs: Iterable[str | Path] | None = None,
+    max_attempts: int = 3,
+    keep_workdirs: bool = False,
+    timeout_s: float | None = None,
+    batch_id: str | None = None,
+) -> Iterator[RolloutResult]:
+    """Run rollouts and yield each result as it finishes (order of completion). See :func:`run_rollouts`."""
+    spec_list = list(specs)
+    dirs = [Path(d) for d in harness_dirs] if harness_dirs is not None else None
+    manifests = _check_specs(spec_list, dirs)
+    if concurrency < 1 or max_attempts < 1:
+        raise ConfigError(f"concurrency and max_attempts must be >= 1, got {concurrency} and {max_attempts}")
+    if not spec_list:
+        return
+    from clawpipe.config import get_settings
+
+    settings = get_settings()
+    secret = secret if secret is not None else settings.secret()
+    batch = batch_id or uuid.uuid4().hex[:12]
+    fixed = Path(results_path) if results_path is not None else None
+
+    def path_for(spec: RolloutSpec) -> Path:
+        return fixed or default_results_path(spec.run_id, spec.iteration, batch, settings.captures_dir)
+
+    scratch = Path(scratch_dir) if scratch_dir is not None else settings.runs_dir / "rollouts"
+    check_proxy(proxy_url)
+    owned_backend = isinstance(backend, str)
+    be = get_backend(backend) if isinstance(backend, str) else backend
+    try:
+        with Bridge(proxy_url) as bridge:
+            state = _Batch(
+                backend=be,
+                bridge=bridge,
+                secret=secret,
+                scratch=scratch,
+                results_path=path_for,
+                task_sets=task_sets or {},
+                max_attempts=max_attempts,
+                keep_workdirs=keep_workdirs,
+                timeout_s=timeout_s,
+            )
+            with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rollout") as pool:
+                pending: set[Future[RolloutResult]] = set()
+                todo = iter(range(len(spec_list)))
+                try:
+                    for i in todo:  # keep at most 2x concurrency futures alive: memory stays flat
+                        pending.add(pool.submit(state.run_one, spec_list[i], manifests[i]))
+                        if len(pending) >= 2 * concurrency:
+                            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                            for f in done:
+                                yield f.result()
+                    while pending:
+                        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        for f in done:
+                            yield f.result()
+                finally:
+                    for f in pending:
+                        f.cancel()
+    finally:
+        if owned_backend:
+            with contextlib.suppress(Exception):
+                be.close()
+
+
+def run_rollouts(
+    specs: Iterable[RolloutSpec],
+    *,
+    proxy_url: str,
+    backend: str | Backend = "bwrap",
+    concurrency: int = 8,
+    results_path: str | Path | None = None,
+    progress: ProgressFn | None = None,
+    **options: Any,
+) -> list[RolloutResult]:
+    """Run every spec against the proxy at ``proxy_url``; return the results in the order of ``specs``.
+
+    Each result row is appended to ``results_path`` (default: the CONTRACTS D path under the project's
+    captures dir) as soon as it is known. ``backend`` is "bwrap" (default), "docker", "process" or a
+    Backend instance. ``progress(result, done, total)`` is called after each rollout. Other options:
+    secret, scratch_dir, task_sets (name -> task set, default clawpipe.tasks.get_task_set), harness_dirs,
+    max_attempts (infra retries), keep_workdirs, timeout_s (overrides the manifests'), batch_id.
+    Raises ManifestError/ConfigError before anything runs if a manifest, task or id is invalid.
+    """
+    spec_list = list(specs)
+    order = {(s.run_id, s.iteration, s.id): i for i, s in enumerate(spec_list)}
+    results: list[RolloutResult | None] = [None] * len(spec_list)
+    stream = iter_rollouts(
+        spec_list, proxy_url=proxy_url, backend=backend, concurrency=concurrency, results_path=results_path, **options
+    )
+    for done, r in enumerate(stream, 1):
+        results[order[(r.run_id, r.iteration, r.rollout_id)]] = r
+        if progress is not None:
+            progress(r, done, len(spec_list))
+    return [r for r in results if r is not None]

@@ -1,0 +1,164 @@
+"""Anthropic Messages routes (stream and not), as Claude Code uses them; token ids and logprobs per CONTRACTS A."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from clawpipe.serving import convert
+from clawpipe.serving.engine import SamplingParams
+from clawpipe.serving.routes import Choice, Routes, sse
+from clawpipe.serving.text import new_id
+
+
+class MessagesRoutes(Routes):
+    """Anthropic Messages routes (stream and not), as Claude Code uses them; token ids and logprobs per CONTRACTS A."""
+
+    # ------------------------------------------------------------ /v1/messages (Anthropic)
+
+    async def messages(self, body: dict[str, Any]) -> Response:
+        messages, tools = convert.anthropic_messages(body)
+        prompt = self.render(messages, tools)
+        params = convert.sampling(
+            body,
+            self.max_tokens(convert.int_field(body, "max_tokens"), len(prompt)),
+            self.options.default_max_tokens,
+            convert.stop_list(body.get("stop_sequences")),
+        )
+        self.engine.check(prompt, params)
+        mid, model = f"msg_{new_id('', 12)}", body.get("model") or self.engine.served_name
+        if body.get("stream"):
+            return self.sse_response(self._messages_stream(prompt, params, bool(tools), mid, model))
+        version, (c,) = await self.run(prompt, params, bool(tools))
+        content, calls = c.full()
+        blocks: list[dict[str, Any]] = []
+        if content or not calls:
+            blocks.append({"type": "text", "text": content})
+        blocks += [
+            {"type": "tool_use", "id": f"toolu_{tc.id[5:]}", "name": tc.name, "input": json.loads(tc.arguments)}
+            for tc in calls
+        ]
+        return JSONResponse(
+            {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": blocks,
+                "stop_reason": self._stop_reason(c, calls),
+                "stop_sequence": c.stopped_on,
+                "usage": self._anthropic_usage(len(prompt), len(c.token_ids)),
+                "prompt_token_ids": prompt,
+                "token_ids": c.token_ids,
+                "logprobs": {"content": self.lp_entries(c)},
+                "policy_version": version,
+            }
+        )
+
+    @staticmethod
+    def _stop_reason(c: Choice, calls: list[Any]) -> str:
+        if calls:
+            return "tool_use"
+        if c.finish_reason == "length":
+            return "max_tokens"
+        return "stop_sequence" if c.stopped_on else "end_turn"
+
+    @staticmethod
+    def _anthropic_usage(n_in: int, n_out: int) -> dict[str, Any]:
+        return {
+            "input_tokens": n_in,
+            "output_tokens": n_out,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+
+    async def _messages_stream(
+        self, prompt: list[int], params: SamplingParams, tools: bool, mid: str, model: str
+    ) -> AsyncIterator[bytes]:
+        c = Choice(0, tools)
+        block = -1  # index of the open text block, -1 when none
+        n_blocks = 0
+        async with contextlib.aclosing(self.engine.stream(prompt, params)) as stream:
+            async for item in stream:
+                if isinstance(item, tuple):
+                    message = {
+                        "id": mid,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": self._anthropic_usage(len(prompt), 0),
+                        "prompt_token_ids": prompt,
+                        "policy_version": item[1],
+                    }
+                    yield sse({"type": "message_start", "message": message}, "message_start")
+                    yield sse({"type": "ping"}, "ping")
+                    continue
+                for ev in item:
+                    piece = c.add(ev)
+                    if piece:
+                        if block < 0:
+                            block, n_blocks = n_blocks, n_blocks + 1
+                            yield sse(
+                                {
+                                    "type": "content_block_start",
+                                    "index": block,
+                                    "content_block": {"type": "text", "text": ""},
+                                },
+                                "content_block_start",
+                            )
+                        yield sse(
+                            {
+                                "type": "content_block_delta",
+                                "index": block,
+                                "delta": {"type": "text_delta", "text": piece},
+                            },
+                            "content_block_delta",
+                        )
+        content, calls = c.finish()
+        if content or (not calls and block < 0):
+            if block < 0:
+                block, n_blocks = n_blocks, n_blocks + 1
+                yield sse(
+                    {"type": "content_block_start", "index": block, "content_block": {"type": "text", "text": ""}},
+                    "content_block_start",
+                )
+            if content:
+                yield sse(
+                    {"type": "content_block_delta", "index": block, "delta": {"type": "text_delta", "text": content}},
+                    "content_block_delta",
+                )
+        if block >= 0:
+            yield sse({"type": "content_block_stop", "index": block}, "content_block_stop")
+        for tc in calls:
+            idx, n_blocks = n_blocks, n_blocks + 1
+            start = {"type": "tool_use", "id": f"toolu_{tc.id[5:]}", "name": tc.name, "input": {}}
+            yield sse({"type": "content_block_start", "index": idx, "content_block": start}, "content_block_start")
+            yield sse(
+                {
+                    "type": "content_block_delta",
+                    "index": idx,
+                    "delta": {"type": "input_json_delta", "partial_json": tc.arguments},
+                },
+                "content_block_delta",
+            )
+            yield sse({"type": "content_block_stop", "index": idx}, "content_block_stop")
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self._stop_reason(c, calls), "stop_sequence": c.stopped_on},
+            "usage": {"output_tokens": len(c.token_ids)},
+            "token_ids": c.token_ids,
+            "logprobs": {"content": self.lp_entries(c)},
+        }
+        yield sse(delta, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+
+    async def count_tokens(self, body: dict[str, Any]) -> Response:
+        messages, tools = convert.anthropic_messages(body)
+        return JSONResponse({"input_tokens": len(self.render(messages, tools))})

@@ -1,0 +1,599 @@
+"""The batching engine: one worker thread runs a hand-written KV-cache decode loop over every admitted sequence.
+
+Requests arrive from asyncio (`Engine.submit`), wait in a FIFO queue, and are admitted whole (all n choices)
+while the batch stays within `max_batch` rows and the KV token budget. The budget bounds the padded cache:
+rows x max(prompt + max_tokens) <= kv_budget_tokens, so memory never exceeds it; requests queue instead.
+
+Per step: new requests are prefilled (grouped by prompt length, so no padding and no mask in prefill), their
+caches are left-padded into the running batch, then one decode step runs for every row with
+position_ids = number of real tokens so far and a 2D mask over the padding. Sampling uses softmax(raw_logits / T)
+with top-p, one RNG per choice (seeded from the request's seed + choice index); the reported logprob is
+log_softmax(raw_logits / T)[sampled] (T = 0: argmax, scored under T = 1). A row stops at EOS (included in its
+ids), a stop string, or max_tokens, and nothing after that is computed for it.
+
+Reload: `Engine.reload` loads new weights off-thread, then the worker stops admitting, lets the running batch
+finish, swaps the model and bumps `policy_version`; queued requests then run on the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import secrets
+import threading
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from clawpipe.errors import ServingError
+from clawpipe.serving import policy
+from clawpipe.serving.text import Detokenizer, TokenTable
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512  # tokens per forward when extending a cached prefix (attention memory ~ chunk x context)
+
+
+class RequestError(ServingError, ValueError):
+    """A request the engine cannot serve as asked (HTTP 400); the message says what to change."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False  # decode text per token (else once at the end, unless stop strings need it)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one choice, or its end (`finish_reason` set; token fields may be None)."""
+
+    index: int
+    token_id: int | None
+    logprob: float | None
+    text: str
+    finish_reason: str | None = None
+    stopped_on: str | None = None  # the stop string that ended the choice, if one did
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+    cancelled: bool = False
+    policy_version: int | None = None
+
+    @property
+    def reserve(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+@dataclass
+class _Row:
+    request: _Request
+    index: int
+    rng: random.Random
+    detok: Detokenizer
+    n_generated: int = 0
+    last_token: int = -1
+    finish: str | None = None
+
+
+class Engine:
+    """A transformers causal LM behind a dynamic batcher. Thread-safe `submit`; one worker thread computes."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        max_batch: int = 64,
+        kv_budget_tokens: int = 262144,
+        max_model_len: int | None = None,
+        policy_version: int = 0,
+        served_name: str | None = None,
+        prefix_cache_tokens: int = 65536,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.tokenizer = policy.load_tokenizer(model_dir)
+        self.model = policy.load_model(model_dir, device, dtype)
+        self.device = next(self.model.parameters()).device
+        self.dtype = dtype
+        self.max_batch = max(1, max_batch)
+        self.kv_budget_tokens = kv_budget_tokens
+        cfg_len = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
+        self.max_model_len = min(max_model_len or cfg_len, cfg_len)
+        self.policy_version = policy_version
+        self.served_name = served_name or self.model_dir.name
+        self.table = TokenTable(self.tokenizer)
+        self.stop_ids = self._stop_ids()
+        self.hidden_ids = set(self.stop_ids)
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._rows: list[_Row] = []
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._mask: torch.Tensor | None = None  # (B, L) 1 = real token
+        self._pending_reload: tuple[Any, int, asyncio.Future[int], asyncio.AbstractEventLoop] | None = None
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.stats = {"steps": 0, "tokens": 0, "requests": 0, "max_rows": 0, "prefix_hit_tokens": 0}
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._thread = threading.Thread(target=self._run, name="clawpipe-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API (any thread / asyncio)
+
+    def _stop_ids(self) -> list[int]:
+        ids: set[int] = set()
+        eos = self.model.generation_config.eos_token_id
+        for e in eos if isinstance(eos, list) else [eos]:
+            if e is not None:
+                ids.add(int(e))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        end = self.tokenizer.convert_tokens_to_ids(policy.ENDOFTEXT)
+        if isinstance(end, int) and end != self.tokenizer.unk_token_id:
+            ids.add(end)
+        return sorted(ids)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError when the request can never be served (context, max_tokens, budget, values)."""
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise RequestError("the prompt is empty: send at least one message or prompt token")
+        if n_prompt >= self.max_model_len:
+            raise RequestError(
+                f"context overflow: the prompt has {n_prompt} tokens but the model's context is {self.max_model_len}; "
+                "shorten the conversation"
+            )
+        if params.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if n_prompt + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} is beyond the limit: prompt ({n_prompt} tokens) + max_tokens must be "
+                f"<= {self.max_model_len} (the context length); ask for at most {self.max_model_len - n_prompt}"
+            )
+        if params.n * (n_prompt + params.max_tokens) > self.kv_budget_tokens:
+            raise RequestError(
+                f"n x (prompt + max_tokens) = {params.n * (n_prompt + params.max_tokens)} tokens exceeds the KV budget "
+                f"of {self.kv_budget_tokens} tokens; lower max_tokens or n, or raise --kv-budget-tokens"
+            )
+        if not 0 <= params.temperature <= 100:
+            raise RequestError(f"temperature must be in [0, 100], got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
+        if not 1 <= params.n <= 128:
+            raise RequestError(f"n must be in [1, 128], got {params.n}")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[Any, None]:
+        """Yield ('version', int) once admitted, then lists of TokenEvent, until every choice has finished."""
+        self.check(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        req = _Request(prompt_ids=list(prompt_ids), params=params, loop=loop, queue=asyncio.Queue())
+        with self._cond:
+            self._waiting.append(req)
+            self._cond.notify()
+        done = 0
+        try:
+            while done < params.n:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, tuple):
+                    yield item
+                    continue
+                done += sum(1 for ev in item if ev.finish_reason is not None)
+                yield item
+        finally:
+            req.cancelled = True
+
+    async def reload(self, path: str | Path, policy_version: int | None = None) -> int:
+        """Load weights from `path`, swap them in once the running batch has drained; returns the new version."""
+        model = await asyncio.to_thread(policy.load_model, path, self.device, self.dtype)
+        if model.config.vocab_size != self.model.config.vocab_size:
+            raise RequestError(
+                f"the checkpoint in {path} has vocab_size {model.config.vocab_size}, the served policy "
+                f"{self.model.config.vocab_size}: reload needs the same tokenizer; restart the server for a new one"
+            )
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        version = self.policy_version + 1 if policy_version is None else int(policy_version)
+        with self._cond:
+            if self._pending_reload is not None:
+                raise RequestError("a reload is already in progress; retry when it has finished")
+            self._pending_reload = (model, version, fut, loop)
+            self._cond.notify()
+        new_version = await fut
+        self.model_dir = Path(path)
+        return new_version
+
+    def close(self) -> None:
+        """Stop the worker thread (running requests get an error)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def load(self) -> dict[str, int]:
+        """Current queue depth, running rows and reserved KV tokens."""
+        with self._cond:
+            return {
+                "waiting": len(self._waiting),
+                "running": len(self._rows),
+                "kv_tokens": self._footprint(self._rows),
+            }
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _footprint(self, rows: list[_Row], extra: _Request | None = None) -> int:
+        reserves = [r.request.reserve for r in rows]
+        n = len(rows)
+        if extra is not None:
+            reserves.append(extra.reserve)
+            n += extra.params.n
+        return n * max(reserves, default=0)
+
+    def _admit(self) -> list[_Request]:
+        """Pop requests from the queue head while they fit (strict FIFO: no overtaking, no starvation)."""
+        admitted: list[_Request] = []
+        rows = list(self._rows)
+        while self._waiting and self._pending_reload is None:
+            req = self._waiting[0]
+            if req.cancelled:
+                self._waiting.popleft()
+                continue
+            n_rows = len(rows) + sum(r.params.n for r in admitted)
+            fits_batch = n_rows == 0 or n_rows + req.params.n <= self.max_batch
+            reserves = [r.request.reserve for r in rows] + [r.reserve for r in admitted] + [req.reserve]
+            fits_kv = (n_rows + req.params.n) * max(reserves) <= self.kv_budget_tokens
+            if not (fits_batch and fits_kv):
+                break
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._rows and not self._waiting and self._pending_reload is None:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    if self._pending_reload is not None and not self._rows:
+                        self._swap_model()
+                    new = self._admit()
+                try:
+                    if new:
+                        self._prefill(new)
+                    if self._rows:
+                        self._decode()
+                except Exception as exc:  # a bug or OOM: fail the affected requests, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(exc, new)
+                self._flush()
+        self._fail_all(ServingError("the engine is shutting down"), [])
+        self._flush()
+
+    def _post(self, req: _Request, item: Any) -> None:
+        self._outbox.setdefault(req.loop, []).append((req.queue, item))
+
+    def _flush(self) -> None:
+        """Deliver this step's events: one wake-up per event loop, not one per request."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop has closed: its requests are gone
+                pass
+
+    def _swap_model(self) -> None:
+        assert self._pending_reload is not None
+        model, version, fut, loop = self._pending_reload
+        self._pending_reload = None
+        self.model = model
+        self.policy_version = version
+        self._layers, self._mask = [], None
+        self.prefix_cache.clear()  # cached KV came from the old weights
+        loop.call_soon_threadsafe(_resolve, fut, version)
+        log.info("policy reloaded policy_version=%d", version)
+
+    def _fail_all(self, exc: BaseException, new: list[_Request]) -> None:
+        reqs = {id(r.request): r.request for r in self._rows}
+        for req in new:
+            reqs[id(req)] = req
+        self._rows, self._layers, self._mask = [], [], None
+        err = exc if isinstance(exc, ServingError) else ServingError(f"engine error: {exc}")
+        for req in reqs.values():
+            self._post(req, err)
+
+    def _new_rows(self, req: _Request) -> list[_Row]:
+        req.policy_version = self.policy_version
+        self._post(req, ("version", self.policy_version))
+        self.stats["requests"] += 1
+        rows = []
+        for i in range(req.params.n):
+            seed = req.params.seed + i if req.params.seed is not None else secrets.randbits(63)
+            lazy = not req.params.stream and not req.params.stop
+            detok = Detokenizer(self.tokenizer, list(req.params.stop), self.hidden_ids, lazy=lazy)
+            rows.append(_Row(request=req, index=i, rng=random.Random(seed), detok=detok))
+        return rows
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """Prefill new requests (once per request, expanded to its n rows), sample their first tokens, merge them
+        into the batch. A prompt sharing a long prefix with a cached one reuses that KV and computes the rest;
+        the others are prefilled together when their prompts have the same length (no padding, no mask)."""
+        groups: dict[int, list[_Request]] = collections.defaultdict(list)
+        for req in reqs:
+            hit = self.prefix_cache.lookup(req.prompt_ids)
+            if hit is not None:
+                layers, logits = self._extend(req.prompt_ids, *hit)
+                self._admit_rows([req], layers, logits)
+            else:
+                groups[len(req.prompt_ids)].append(req)
+        for group in groups.values():
+            ids = torch.tensor([req.prompt_ids for req in group], device=self.device)  # (G, P)
+            out = self.model(input_ids=ids, cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+            layers = _layers_of(out.cache)
+            for g, req in enumerate(group):
+                self.prefix_cache.store(req.prompt_ids, layers, g)
+            self._admit_rows(group, layers, out.logits[:, -1, :])
+        self._drop_finished()
+
+    def _extend(
+        self, prompt: list[int], cached: list[tuple[torch.Tensor, torch.Tensor]], use: int
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Prefill prompt[use:] on top of cached KV of prompt[:use], in chunks (bounded attention memory)."""
+        self.stats["prefix_hit_tokens"] += use
+        cache = _cache_from([(k[:, :, :use], v[:, :, :use]) for k, v in cached])
+        logits = None
+        for start in range(use, len(prompt), PREFILL_CHUNK):
+            chunk = prompt[start : start + PREFILL_CHUNK]
+            ids = torch.tensor([chunk], device=self.device)  # (1, c)
+            pos = torch.arange(start, start + len(chunk), device=self.device)[None]  # (1, c)
+            out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+            cache, logits = out.cache, out.logits[:, -1, :]
+        assert logits is not None
+        layers = _layers_of(cache)
+        self.prefix_cache.store(prompt, layers, 0)
+        return layers, logits
+
+    def _admit_rows(
+        self, group: list[_Request], layers: list[tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor
+    ) -> None:
+        """Expand one prefilled row per request to its n rows, merge them into the batch, sample first tokens."""
+        counts = [req.params.n for req in group]
+        rows = [row for req in group for row in self._new_rows(req)]
+        if any(c != 1 for c in counts):
+            idx = torch.repeat_interleave(
+                torch.arange(len(group), device=self.device), torch.tensor(counts, device=self.device)
+            )
+            layers = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers]
+            logits = logits.index_select(0, idx)
+        mask = torch.ones((len(rows), layers[0][0].shape[2]), dtype=torch.long, device=self.device)
+        self._merge(rows, layers, mask)
+        self._sample(rows, logits)
+
+    def _merge(self, rows: list[_Row], layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
+        if not self._rows or self._mask is None:
+            self._rows, self._layers, self._mask = rows, layers, mask
+            return
+        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        pad_old, pad_new = max(0, new_len - old_len), max(0, old_len - new_len)
+        merged = []
+        for (ko, vo), (kn, vn) in zip(self._layers, layers, strict=True):
+            ko, vo = _left_pad(ko, pad_old), _left_pad(vo, pad_old)
+            kn, vn = _left_pad(kn, pad_new), _left_pad(vn, pad_new)
+            merged.append((torch.cat([ko, kn], 0), torch.cat([vo, vn], 0)))
+        self._layers = merged
+        self._mask = torch.cat(
+            [torch.nn.functional.pad(self._mask, (pad_old, 0)), torch.nn.functional.pad(mask, (pad_new, 0))], 0
+        )
+        self._rows = self._rows + rows
+
+    def _decode(self) -> None:
+        assert self._mask is not None
+        b = len(self._rows)
+        self.stats["max_rows"] = max(self.stats["max_rows"], b)
+        tokens = torch.tensor([[r.last_token] for r in self._rows], device=self.device)  # (B, 1)
+        positions = self._mask.sum(dim=1, keepdim=True)  # (B, 1): real tokens before this one
+        mask = torch.cat([self._mask, torch.ones((b, 1), dtype=self._mask.dtype, device=self.device)], 1)
+        cache = _cache_from(self._layers)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._layers = _layers_of(out.cache)
+        self._mask = mask
+        self.stats["steps"] += 1
+        self._sample(self._rows, out.logits[:, -1, :])
+        self._drop_finished()
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Sample one token per row from softmax(raw_logits / T) with top-p; emit events per request."""
+        logits = logits.float()  # (B, V)
+        temps = torch.tensor([r.request.params.temperature for r in rows], device=logits.device)
+        greedy = temps <= 0
+        scale = torch.where(greedy, torch.ones_like(temps), temps)
+        logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # (B, V)
+        probs = logp.exp()
+        top_p = torch.tensor([r.request.params.top_p for r in rows], device=logits.device)
+        u = torch.tensor([r.rng.random() for r in rows], device=logits.device, dtype=torch.float64)
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            keep = (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
+            sorted_p = sorted_p * keep
+            cum = sorted_p.double().cumsum(-1)
+            pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_(max=probs.shape[1] - 1)
+            sampled = order.gather(1, pick)[:, 0]
+        else:
+            cum = probs.double().cumsum(-1)
+            pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_(max=probs.shape[1] - 1)
+            sampled = pick[:, 0]
+        sampled = torch.where(greedy, logits.argmax(-1), sampled)
+        chosen = logp.gather(1, sampled[:, None])[:, 0]
+        ids, lps = sampled.tolist(), chosen.tolist()
+        events: dict[int, tuple[_Request, list[TokenEvent]]] = {}
+        for row, tid, lp in zip(rows, ids, lps, strict=True):
+            row.last_token = tid
+            row.n_generated += 1
+            self.stats["tokens"] += 1
+            row.detok.add(tid)
+            if tid in self.stop_ids or row.detok.stopped_on is not None:
+                row.finish = "stop"
+            elif row.n_generated >= row.request.params.max_tokens:
+                row.finish = "length"
+            text = row.detok.take(final=row.finish is not None)
+            ev = TokenEvent(row.index, tid, lp, text, row.finish, row.detok.stopped_on)
+            events.setdefault(id(row.request), (row.request, []))[1].append(ev)
+        for req, evs in events.values():
+            self._post(req, evs)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if r.finish is None and not r.request.cancelled]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._layers, self._mask = [], [], None
+            return
+        assert self._mask is not None
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        first = int(mask.any(0).nonzero()[0, 0])  # leading columns that are padding in every row
+        self._mask = mask[:, first:]
+        self._layers = [
+            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._layers
+        ]
+        self._rows = [self._rows[i] for i in keep]
+
+
+def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (B, H, L, D) key/value tensors of each layer of a DynamicCache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A DynamicCache holding these (B, H, L, D) tensors without copying them."""
+    cache = DynamicCache(ddp_cache_data=[(None, None)] * len(layers))
+    layer: Any
+    for layer, (k, v) in zip(cache.layers, layers, strict=True):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
+class PrefixCache:
+    """KV of recent long prompts (LRU, bounded in tokens). A new prompt reuses the longest common prefix with a
+    cached one: multi-turn harness calls extend their previous prompt, and a task group shares its system prompt
+    and tools. Cleared on reload. Not counted in the KV budget (it bounds the batch), bounded by its own size."""
+
+    MIN_TOKENS = 128
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]] = (
+            collections.OrderedDict()
+        )
+        self._next = 0
+        self._tokens = 0
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
+
+    def lookup(self, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None:
+        """(cached layers, number of prompt tokens they cover) for the longest common prefix, or None."""
+        if len(prompt) < self.MIN_TOKENS or not self._entries:
+            return None
+        ids = np.asarray(prompt, dtype=np.int64)
+        best, best_key = 0, -1
+        for key, (cached_ids, _) in self._entries.items():
+            n = min(len(cached_ids), len(ids))
+            diff = np.flatnonzero(cached_ids[:n] != ids[:n])
+            common = int(diff[0]) if diff.size else n
+            if common > best:
+                best, best_key = common, key
+        use = min(best, len(prompt) - 1)  # at least one token is computed: its logits start the completion
+        if use < self.MIN_TOKENS:
+            return None
+        self._entries.move_to_end(best_key)
+        return self._entries[best_key][1], use
+
+    def store(self, prompt: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], row: int) -> None:
+        """Keep row `row` of these prefill layers (its last len(prompt) positions) for later prompts."""
+        n = len(prompt)
+        if n < self.MIN_TOKENS or n > self.max_tokens:
+            return
+        kept = [(k[row : row + 1, :, -n:].clone(), v[row : row + 1, :, -n:].clone()) for k, v in layers]
+        self._entries[self._next] = (np.asarray(prompt, dtype=np.int64), kept)
+        self._next += 1
+        self._tokens += n
+        while self._tokens > self.max_tokens and self._entries:
+            _, (old_ids, _) = self._entries.popitem(last=False)
+            self._tokens -= len(old_ids)
+
+
+def _resolve(fut: asyncio.Future[int], value: int) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Pad a (B, H, L, D) cache tensor with n zero positions on the left of L."""
+    if n == 0:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, n, 0))
+
+
+async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> tuple[int, list[dict[str, Any]]]:
+    """Run a request to completion: (policy_version, per choice {token_ids, logprobs, text, finish_reason})."""
+    choices: list[dict[str, Any]] = [
+        {"token_ids": [], "logprobs": [], "text": "", "finish_reason": None, "stopped_on": None}
+        for _ in range(params.n)
+    ]
+    version = engine.policy_version
+    t0 = time.monotonic()
+    async for item in engine.stream(prompt_ids, params):
+        if isinstance(item, tuple):
+            version = item[1]
+            continue
+        for ev in item:
+            c = choices[ev.index]
+            if ev.token_id is not None:
+                c["token_ids"].append(ev.token_id)
+                c["logprobs"].append(ev.logprob)
+            c["text"] += ev.text
+            if ev.finish_reason is not None:
+                c["finish_reason"] = ev.finish_reason
+                c["stopped_on"] = ev.stopped_on
+    log.debug("generated n=%d in %.3fs", params.n, time.monotonic() - t0)
+    return version, choices

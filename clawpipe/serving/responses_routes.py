@@ -1,0 +1,211 @@
+"""OpenAI Responses routes (stream and not), as Codex CLI uses them; the standard SSE event sequence."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from clawpipe.serving import convert
+from clawpipe.serving.engine import SamplingParams
+from clawpipe.serving.routes import Choice, Routes, sse
+from clawpipe.serving.text import new_id
+
+
+class ResponsesRoutes(Routes):
+    """OpenAI Responses routes (stream and not), as Codex CLI uses them; the standard SSE event sequence."""
+
+    # ------------------------------------------------------------ /v1/responses (OpenAI Responses)
+
+    async def responses(self, body: dict[str, Any]) -> Response:
+        messages, tools = convert.responses_messages(body)
+        prompt = self.render(messages, tools)
+        params = convert.sampling(
+            body,
+            self.max_tokens(convert.int_field(body, "max_output_tokens"), len(prompt)),
+            self.options.default_max_tokens,
+            [],
+        )
+        self.engine.check(prompt, params)
+        skeleton = {
+            "id": f"resp_{new_id('', 12)}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.get("model") or self.engine.served_name,
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.get("instructions") if isinstance(body.get("instructions"), str) else None,
+            "metadata": body.get("metadata") or {},
+            "output": [],
+            "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [],
+            "max_output_tokens": body.get("max_output_tokens"),
+            "text": {"format": {"type": "text"}},
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "usage": None,
+        }
+        if body.get("stream"):
+            return self.sse_response(self._responses_stream(prompt, params, bool(tools), skeleton))
+        version, (c,) = await self.run(prompt, params, bool(tools))
+        content, calls = c.full()
+        return JSONResponse(self._response_done(skeleton, prompt, c, self._response_items(content, calls), version))
+
+    @staticmethod
+    def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": item_id,
+            "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+            if status == "completed"
+            else [],
+        }
+
+    @staticmethod
+    def _call_item(tc: Any, status: str = "completed") -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": f"fc_{tc.id[5:]}",
+            "call_id": tc.id,
+            "name": tc.name,
+            "arguments": tc.arguments if status == "completed" else "",
+            "status": status,
+        }
+
+    def _response_items(self, content: str, calls: list[Any], msg_id: str | None = None) -> list[dict[str, Any]]:
+        items = []
+        if content or not calls:
+            items.append(self._message_item(msg_id or f"msg_{new_id('', 12)}", content))
+        items += [self._call_item(tc) for tc in calls]
+        return items
+
+    def _response_done(
+        self, skeleton: dict[str, Any], prompt: list[int], c: Choice, items: list[dict[str, Any]], version: int
+    ) -> dict[str, Any]:
+        n_out = len(c.token_ids)
+        incomplete = c.finish_reason == "length" and not any(i["type"] == "function_call" for i in items)
+        return {
+            **skeleton,
+            "status": "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "output": items,
+            "usage": {
+                "input_tokens": len(prompt),
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": n_out,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(prompt) + n_out,
+            },
+            "prompt_token_ids": prompt,
+            "token_ids": c.token_ids,
+            "logprobs": {"content": self.lp_entries(c)},
+            "policy_version": version,
+        }
+
+    async def _responses_stream(
+        self, prompt: list[int], params: SamplingParams, tools: bool, skeleton: dict[str, Any]
+    ) -> AsyncIterator[bytes]:
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> bytes:
+            nonlocal seq
+            seq += 1
+            return sse({"type": kind, "sequence_number": seq - 1, **fields}, kind)
+
+        c = Choice(0, tools)
+        version = self.engine.policy_version
+        msg_id = f"msg_{new_id('', 12)}"
+        opened = False
+        text = ""
+        async with contextlib.aclosing(self.engine.stream(prompt, params)) as stream:
+            async for item in stream:
+                if isinstance(item, tuple):
+                    version = item[1]
+                    yield event("response.created", response={**skeleton, "policy_version": version})
+                    yield event("response.in_progress", response={**skeleton, "policy_version": version})
+                    continue
+                for ev in item:
+                    piece = c.add(ev)
+                    if not piece:
+                        continue
+                    if not opened:
+                        opened = True
+                        yield event(
+                            "response.output_item.added",
+                            output_index=0,
+                            item=self._message_item(msg_id, "", "in_progress"),
+                        )
+                        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                        yield event(
+                            "response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part
+                        )
+                    text += piece
+                    yield event(
+                        "response.output_text.delta",
+                        item_id=msg_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=piece,
+                        logprobs=[],
+                    )
+        content, calls = c.finish()
+        if content or (not calls and not opened):
+            if not opened:
+                opened = True
+                yield event(
+                    "response.output_item.added", output_index=0, item=self._message_item(msg_id, "", "in_progress")
+                )
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)
+            if content:
+                text += content
+                yield event(
+                    "response.output_text.delta",
+                    item_id=msg_id,
+                    output_index=0,
+                    content_index=0,
+                    delta=content,
+                    logprobs=[],
+                )
+        items: list[dict[str, Any]] = []
+        if opened:
+            done_item = self._message_item(msg_id, text)
+            yield event(
+                "response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text, logprobs=[]
+            )
+            yield event(
+                "response.content_part.done",
+                item_id=msg_id,
+                output_index=0,
+                content_index=0,
+                part=done_item["content"][0],
+            )
+            yield event("response.output_item.done", output_index=0, item=done_item)
+            items.append(done_item)
+        for tc in calls:
+            idx = len(items)
+            added = self._call_item(tc, "in_progress")
+            yield event("response.output_item.added", output_index=idx, item=added)
+            yield event(
+                "response.function_call_arguments.delta", item_id=added["id"], output_index=idx, delta=tc.arguments
+            )
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=added["id"],
+                output_index=idx,
+                name=tc.name,
+                arguments=tc.arguments,
+            )
+            done = self._call_item(tc)
+            yield event("response.output_item.done", output_index=idx, item=done)
+            items.append(done)
+        yield event("response.completed", response=self._response_done(skeleton, prompt, c, items, version))

@@ -1,0 +1,171 @@
+"""Shared parts of the HTTP routes: server options, per-choice accumulation (with tool-call holdback while
+streaming), SSE framing, error bodies, and the steps every API takes (render, max_tokens, run, reload)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from clawpipe.errors import ServingError
+from clawpipe.serving.engine import Engine, RequestError, SamplingParams, TokenEvent
+from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
+
+
+@dataclass
+class ServeOptions:
+    """Server-level settings (the engine has its own)."""
+
+    admin_token: str | None = None
+    default_max_tokens: int = 256  # when a request names none
+    max_tokens_cap: int | None = None  # clamp every request's max_tokens (CPU runs behind chatty harnesses)
+
+
+# ---------------------------------------------------------------- choice accumulation (shared by all APIs)
+
+
+@dataclass
+class Choice:
+    """One choice as it streams: ids, logprobs, text, and the text held back because a tool call may start."""
+
+    index: int
+    tools: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    finish_reason: str | None = None
+    stopped_on: str | None = None
+
+    def add(self, ev: TokenEvent) -> str:
+        """Record one event; return the text that may be shown now."""
+        if ev.token_id is not None:
+            self.token_ids.append(ev.token_id)
+            self.logprobs.append(float(ev.logprob or 0.0))
+        self.text += ev.text
+        if ev.finish_reason is not None:
+            self.finish_reason, self.stopped_on = ev.finish_reason, ev.stopped_on
+            if not self.tools:
+                return self._flush(len(self.text))
+            return ""
+        return self._flush(may_hold_tool_call(self.text) if self.tools else len(self.text))
+
+    def _flush(self, end: int) -> str:
+        end = max(end, self.emitted)
+        piece, self.emitted = self.text[self.emitted : end], end
+        return piece
+
+    def finish(self) -> tuple[str, list[Any]]:
+        """At the end: (remaining content, parsed tool calls)."""
+        if not self.tools:
+            return self._flush(len(self.text)), []
+        content, calls = parse_tool_calls(self.text[self.emitted :])
+        self.emitted = len(self.text)
+        return content, calls
+
+    def full(self) -> tuple[str, list[Any]]:
+        """Non-streamed: (content, tool calls) of the whole text."""
+        if not self.tools:
+            return self.text, []
+        return parse_tool_calls(self.text)
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def openai_error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+
+
+def anthropic_error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+
+
+class Routes:
+    """State and steps shared by the API route mixins; one instance serves one engine."""
+
+    def __init__(self, engine: Engine, options: ServeOptions) -> None:
+        self.engine = engine
+        self.options = options
+
+    # ------------------------------------------------------------ shared steps
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        template_tools: Any = tools or None
+        try:
+            ids: Any = self.engine.tokenizer.apply_chat_template(
+                messages, tools=template_tools, tokenize=True, add_generation_prompt=True, return_dict=False
+            )
+        except Exception as exc:
+            raise RequestError(f"the messages cannot be rendered through the chat template: {exc}") from exc
+        return [int(t) for t in ids]
+
+    def max_tokens(self, requested: int | None, n_prompt: int) -> int:
+        if requested is None:
+            requested = max(1, min(self.options.default_max_tokens, self.engine.max_model_len - n_prompt))
+        if self.options.max_tokens_cap is not None:
+            requested = min(requested, self.options.max_tokens_cap)
+        return requested
+
+    def lp_entries(self, choice: Choice, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
+        return self.engine.table.logprob_entries(choice.token_ids[start:end], choice.logprobs[start:end])
+
+    async def run(self, prompt_ids: list[int], params: SamplingParams, tools: bool) -> tuple[int, list[Choice]]:
+        choices = [Choice(i, tools) for i in range(params.n)]
+        version = self.engine.policy_version
+        async for item in self.engine.stream(prompt_ids, params):
+            if isinstance(item, tuple):
+                version = item[1]
+                continue
+            for ev in item:
+                choices[ev.index].add(ev)
+        return version, choices
+
+    @staticmethod
+    def usage(n_prompt: int, choices: list[Choice]) -> dict[str, int]:
+        n_out = sum(len(c.token_ids) for c in choices)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+    # ------------------------------------------------------------ plumbing
+
+    @staticmethod
+    def sse_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def reload(self, request: Request) -> Response:
+        token = self.options.admin_token
+        auth = request.headers.get("authorization", "")
+        if not token or auth != f"Bearer {token}":
+            return openai_error(
+                "admin token missing or wrong: send Authorization: Bearer <admin token>", 401, "auth_error"
+            )
+        body = await json_body(request)
+        path = body.get("path")
+        if not isinstance(path, str) or not Path(path).is_dir():
+            return openai_error(f"'path' must name a checkpoint directory that exists, got {path!r}")
+        version = body.get("policy_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            return openai_error("'policy_version' must be an integer")
+        try:
+            new_version = await self.engine.reload(path, version)
+        except ServingError as exc:
+            return openai_error(str(exc))
+        return JSONResponse({"status": "ok", "policy_version": new_version, "path": path})
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, or RequestError saying why not."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body

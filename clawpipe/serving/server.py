@@ -1,0 +1,268 @@
+"""The HTTP face of the engine: OpenAI Chat Completions, Completions and Responses, Anthropic Messages,
+/v1/models, /health and POST /admin/reload, streamed (SSE) and not.
+
+Every response carries what the proxy needs (CONTRACTS A): `prompt_token_ids`, per-choice `token_ids`,
+`logprobs.content` entries and `policy_version`. `start_server` runs it in-process on an ephemeral port (a
+background thread); `start_server_process` runs it as a subprocess; `run_server` blocks (the CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from clawpipe.errors import ServingError
+from clawpipe.serving.anthropic_routes import MessagesRoutes
+from clawpipe.serving.engine import Engine, RequestError
+from clawpipe.serving.openai_routes import ChatRoutes
+from clawpipe.serving.responses_routes import ResponsesRoutes
+from clawpipe.serving.routes import ServeOptions, anthropic_error, json_body, openai_error
+
+log = logging.getLogger(__name__)
+
+
+class App(ChatRoutes, ResponsesRoutes, MessagesRoutes):
+    """Every route, bound to one engine."""
+
+
+def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`."""
+    routes = App(engine, options or ServeOptions())
+    app = FastAPI(title="clawpipe serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def endpoint(handler: Callable[[dict[str, Any]], Any], error: Callable[..., JSONResponse]) -> Callable[..., Any]:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(await json_body(request))
+            except RequestError as exc:
+                return error(str(exc))
+            except ServingError as exc:
+                log.warning("request failed: %s", exc)
+                return error(str(exc), 500, "api_error")
+
+        return run
+
+    app.add_api_route("/v1/chat/completions", endpoint(routes.chat, openai_error), methods=["POST"])
+    app.add_api_route("/v1/completions", endpoint(routes.completions, openai_error), methods=["POST"])
+    app.add_api_route("/v1/responses", endpoint(routes.responses, openai_error), methods=["POST"])
+    app.add_api_route("/v1/messages", endpoint(routes.messages, anthropic_error), methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", endpoint(routes.count_tokens, anthropic_error), methods=["POST"])
+    app.add_api_route("/admin/reload", routes.reload, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.served_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "clawpipe",
+                    "max_model_len": engine.max_model_len,
+                    "policy_version": engine.policy_version,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "policy_version": engine.policy_version, "model": engine.served_name, **engine.load()}
+
+    return app
+
+
+# ---------------------------------------------------------------- running it
+
+
+@dataclass
+class ServerHandle:
+    """A running server: `.url` (http://127.0.0.1:PORT), `.engine` (in-process only), `.stop()`."""
+
+    url: str
+    admin_token: str
+    engine: Engine | None = None
+    _server: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+    _process: subprocess.Popen[bytes] | None = None
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=15)
+        if self.engine is not None:
+            self.engine.close()
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _admin_token(token: str | None) -> str:
+    if token:
+        return token
+    from clawpipe.config import get_settings
+
+    return get_settings().admin()
+
+
+def _engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], ServeOptions]:
+    opts = ServeOptions(
+        admin_token=kwargs.pop("admin_token", None),
+        default_max_tokens=kwargs.pop("default_max_tokens", 256),
+        max_tokens_cap=kwargs.pop("max_tokens_cap", None),
+    )
+    return kwargs, opts
+
+
+def start_server(model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1", **kwargs: Any) -> ServerHandle:
+    """Start engine + HTTP server in this process on a background thread; returns when it accepts requests.
+
+    kwargs: Engine options (device, max_batch, kv_budget_tokens, policy_version, served_name, ...) and
+    ServeOptions (admin_token, default_max_tokens, max_tokens_cap).
+    """
+    engine_kwargs, opts = _engine_kwargs(dict(kwargs))
+    opts.admin_token = _admin_token(opts.admin_token)
+    engine = Engine(model_dir, **engine_kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="clawpipe-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            engine.close()
+            raise ServingError("the serving engine did not start; see the log above")
+        time.sleep(0.01)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    log.info("serving model=%s url=%s", engine.served_name, url)
+    return ServerHandle(url=url, admin_token=opts.admin_token, engine=engine, _server=server, _thread=thread)
+
+
+def start_server_process(
+    model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1", timeout_s: float = 120, **kwargs: Any
+) -> ServerHandle:
+    """Start `clawpipe serve` as a subprocess (same options as start_server); returns when it accepts requests."""
+    token = _admin_token(kwargs.pop("admin_token", None))
+    with tempfile.TemporaryDirectory() as tmp:
+        ready = Path(tmp) / "ready.json"
+        cmd = [sys.executable, "-m", "clawpipe.serving.server", "--model", str(model_dir), "--host", host]
+        cmd += ["--port", str(port), "--ready-file", str(ready)]
+        for key, value in kwargs.items():
+            if value is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(value)]
+        env = {**os.environ, "CLAWPIPE_ADMIN_TOKEN": token}
+        proc = subprocess.Popen(cmd, env=env)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise ServingError(f"`{' '.join(cmd)}` did not start (exit {proc.returncode}); see its log")
+            time.sleep(0.05)
+        url = json.loads(ready.read_text())["url"]
+    return ServerHandle(url=url, admin_token=token, _process=proc)
+
+
+def run_server(
+    model_dir: str | Path,
+    *,
+    port: int = 8000,
+    host: str = "127.0.0.1",
+    ready_file: str | Path | None = None,
+    **kwargs: Any,
+) -> None:
+    """Serve until interrupted (the CLI's `clawpipe serve`); writes {"url": ...} to ready_file once listening."""
+    engine_kwargs, opts = _engine_kwargs(dict(kwargs))
+    opts.admin_token = _admin_token(opts.admin_token)
+    engine = Engine(model_dir, **engine_kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off"))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if ready_file is not None and server.started:
+            tmp = Path(f"{ready_file}.tmp")
+            tmp.write_text(json.dumps({"url": url}))
+            tmp.rename(ready_file)
+        log.info("serving model=%s url=%s policy_version=%d", engine.served_name, url, engine.policy_version)
+        await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m clawpipe.serving.server` (used by start_server_process)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--ready-file")
+    p.add_argument("--served-name")
+    p.add_argument("--device")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--kv-budget-tokens", type=int, default=262144)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--policy-version", type=int, default=0)
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens-cap", type=int)
+    p.add_argument("--prefix-cache-tokens", type=int, default=65536)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_server(
+        a.model,
+        port=a.port,
+        host=a.host,
+        ready_file=a.ready_file,
+        served_name=a.served_name,
+        device=a.device,
+        max_batch=a.max_batch,
+        kv_budget_tokens=a.kv_budget_tokens,
+        max_model_len=a.max_model_len,
+        policy_version=a.policy_version,
+        default_max_tokens=a.default_max_tokens,
+        max_tokens_cap=a.max_tokens_cap,
+        prefix_cache_tokens=a.prefix_cache_tokens,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Text-side helpers of the engine: per-token strings and bytes, incremental detokenization with stop strings,
+and parsing ``<tool_call>{...}</tool_call>`` spans out of generated text. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawpipe.serving.policy import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode table used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs], strict=True))
+
+
+BYTE_DECODER: dict[str, int] = {v: k for k, v in _bytes_to_unicode().items()}
+
+
+class TokenTable:
+    """Per-token display string and raw bytes for a tokenizer (byte-level BPE decoded exactly)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._special = set(tokenizer.all_special_ids)
+        try:
+            decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        except Exception:
+            decoder = {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def entry(self, token_id: int) -> tuple[str, list[int]]:
+        """(token string, its bytes) for one id; partial UTF-8 tokens keep their true bytes."""
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            piece = ""
+        if self._byte_level and token_id not in self._special and all(c in BYTE_DECODER for c in piece):
+            raw = bytes(BYTE_DECODER[c] for c in piece)
+        else:
+            raw = (
+                self._tokenizer.decode([token_id]).encode("utf-8") if token_id not in self._special else piece.encode()
+            )
+        text = raw.decode("utf-8", errors="replace")
+        out = (text, list(raw))
+        self._cache[token_id] = out
+        return out
+
+    def logprob_entries(self, token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        """The chat-completions `logprobs.content` entries for ids and their logprobs."""
+        out = []
+        for tid, lp in zip(token_ids, logprobs, strict=True):
+            text, raw = self.entry(tid)
+            out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": []})
+        return out
+
+
+@dataclass
+class Detokenizer:
+    """Incremental text of one choice: decodes the ids so far, finds stop strings, and holds back text that may
+    still become a stop string or an incomplete UTF-8 character."""
+
+    tokenizer: Any
+    stop: list[str]
+    hidden_ids: set[int]
+    lazy: bool = False  # decode only when the final text is taken (no stop strings, not streamed)
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    stopped_on: str | None = None
+
+    def add(self, token_id: int) -> None:
+        """Append one id; sets `stopped_on` when a stop string appears (text is cut before it)."""
+        if token_id in self.hidden_ids:
+            return
+        self.ids.append(token_id)
+        if self.lazy:
+            return
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        for s in self.stop:
+            pos = self.text.find(s, max(0, self.emitted - len(s)))
+            if pos >= 0:
+                self.text = self.text[:pos]
+                self.stopped_on = s
+                return
+
+    def take(self, final: bool) -> str:
+        """The text not yet handed out that is safe to hand out now (all of it when final)."""
+        if self.lazy:
+            if not final:
+                return ""
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        end = len(self.text)
+        if not final:
+            while end > self.emitted and self.text[end - 1] == "\ufffd":
+                end -= 1
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            end = max(self.emitted, min(end, len(self.text) - hold))
+        piece = self.text[self.emitted : end]
+        self.emitted = end
+        return piece
+
+
+@dataclass
+class ToolCall:
+    """One parsed tool call."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+
+def new_id(prefix: str, n: int = 12) -> str:
+    """A random id like ``call_3f9a...``."""
+    return f"{prefix}{secrets.token_hex(n)}"
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """Split generated text into (content outside tool calls, tool calls).
+
+    A span ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (closing tag optional at the end) whose
+    JSON parses and names a function becomes a call; anything else stays text.
+    """
+    calls: list[ToolCall] = []
+    content: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(TOOL_CALL_OPEN, pos)
+        if start < 0:
+            content.append(text[pos:])
+            break
+        end = text.find(TOOL_CALL_CLOSE, start)
+        body_end = end if end >= 0 else len(text)
+        after = end + len(TOOL_CALL_CLOSE) if end >= 0 else len(text)
+        call = _parse_call(text[start + len(TOOL_CALL_OPEN) : body_end])
+        if call is None:
+            content.append(text[pos:after])
+        else:
+            content.append(text[pos:start])
+            calls.append(call)
+        pos = after
+        if pos >= len(text):
+            break
+    joined = "".join(content)
+    return (joined.strip() if calls else joined), calls
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body.strip())
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(id=new_id("call_"), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+def may_hold_tool_call(text: str) -> int:
+    """Index from which text must be held back while streaming because a tool call may be starting there."""
+    pos = text.find(TOOL_CALL_OPEN)
+    if pos >= 0:
+        return pos
+    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)

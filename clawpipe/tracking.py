@@ -1,0 +1,143 @@
+"""Experiment tracking: the ONLY module that imports mlflow.
+
+    tracker = make_tracker(enabled=True, experiment="clawpipe")
+    tracker.start_run("run-1")                 # or attach: start_run(mlflow_run_id=...)
+    tracker.log_params(config.flat_params())   # whole config, flattened; unchanged params are not re-sent
+    tracker.log_metrics({"train/loss/total": 0.1, ...}, step=3)   # one batched call per step
+    tracker.end()
+
+:class:`NullTracker` has the same methods and does nothing, so callers never need an ``if``. The tracking
+URI comes from clawpipe.config (sqlite under the project home unless CLAWPIPE_MLFLOW_TRACKING_URI is set).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+MAX_PARAM_LEN = 6000  # mlflow's limit on a param value
+
+
+class Tracker(Protocol):
+    def start_run(
+        self, run_name: str | None = None, *, mlflow_run_id: str | None = None, tags: Mapping[str, str] | None = None
+    ) -> str | None: ...
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+    def end(self, status: str = "FINISHED") -> None: ...
+
+
+class NullTracker:
+    """Tracking switched off: every method is a no-op."""
+
+    run_id: str | None = None
+
+    def start_run(
+        self, run_name: str | None = None, *, mlflow_run_id: str | None = None, tags: Mapping[str, str] | None = None
+    ) -> str | None:
+        return None
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        return None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        return None
+
+    def end(self, status: str = "FINISHED") -> None:
+        return None
+
+
+def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested mappings to dotted keys with string values (truncated to MLflow's limit)."""
+    out: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = str(value)[:MAX_PARAM_LEN]
+    return out
+
+
+class MlflowTracker:
+    """Logs to MLflow with batched calls (one log_batch per step; NOTES.md: log_metric in a loop is slow)."""
+
+    def __init__(self, experiment: str = "clawpipe", tracking_uri: str | None = None) -> None:
+        import mlflow
+        from clawpipe.config import get_settings
+
+        self._mlflow = mlflow
+        self.tracking_uri = tracking_uri or get_settings().tracking_uri
+        self.experiment = experiment
+        self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        self.run_id: str | None = None
+        self._logged: dict[str, str] = {}
+
+    def start_run(
+        self, run_name: str | None = None, *, mlflow_run_id: str | None = None, tags: Mapping[str, str] | None = None
+    ) -> str:
+        if mlflow_run_id is not None:
+            self.run_id = mlflow_run_id
+            existing = self.client.get_run(mlflow_run_id).data.params
+            self._logged = dict(existing)
+            return mlflow_run_id
+        exp = self.client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
+        run = self.client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+        self.run_id = run.info.run_id
+        return self.run_id
+
+    def _require_run(self) -> str:
+        if self.run_id is None:
+            self.start_run()
+        assert self.run_id is not None
+        return self.run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        run_id = self._require_run()
+        flat = flatten(params)
+        new = {k: v for k, v in flat.items() if k not in self._logged}
+        changed = {k: v for k, v in flat.items() if k in self._logged and self._logged[k] != v}
+        if changed:
+            log.warning("params already logged with other values are kept as they were: %s", sorted(changed))
+        items = [Param(k, v) for k, v in new.items()]
+        for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+            self.client.log_batch(run_id, params=items[i : i + 100])
+        self._logged.update(new)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        run_id = self._require_run()
+        ts = int(time.time() * 1000)
+        items = [
+            Metric(k, float(v), ts, int(step or 0))
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and math.isfinite(float(v))
+        ]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i : i + 1000])
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id, status=status)
+
+
+def make_tracker(
+    enabled: bool = True, *, experiment: str = "clawpipe", tracking_uri: str | None = None
+) -> MlflowTracker | NullTracker:
+    """An MLflow tracker, or the null tracker when tracking is disabled."""
+    if not enabled:
+        return NullTracker()
+    from clawpipe.config import prepare_environment
+
+    prepare_environment()
+    return MlflowTracker(experiment=experiment, tracking_uri=tracking_uri)

@@ -1,0 +1,235 @@
+"""A training batch: kept trees, and one contribution per (generated token, sequence that generated it).
+
+The contribution table is the flat per-sequence view of the loss: the packed forward computes each unique
+token once, and the loss gathers the token's logprob into every contribution. Per-contribution terms
+(ratio against that sequence's captured logprob, that sequence's advantage, PPO clipping) are computed
+separately and summed with global aggregation coefficients, so the packed loss EQUALS the flat one, also
+where clipping makes the per-sequence term non-linear in the advantage, and micro-batching is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clawpipe.errors import TrainingError
+from clawpipe.train import advantages as adv_mod
+from clawpipe.train.config import TrainConfig
+from clawpipe.train.data import RolloutInfo, TrainSequence, TrainTree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Contributions:
+    """Flat loss entries, one per (generated token, sequence); arrays of length C."""
+
+    tree: np.ndarray  # (C,) int64 index into TrainBatch.trees
+    pos: np.ndarray  # (C,) int64 packed position in that tree
+    seq: np.ndarray  # (C,) int64 global sequence index (TrainBatch.sequences)
+    idx: np.ndarray  # (C,) int64 index of the token within its sequence
+    rollout: np.ndarray  # (C,) int64 index into TrainBatch.rollouts
+    harness: np.ndarray  # (C,) int64 index into TrainBatch.harnesses
+    old_logprob: np.ndarray  # (C,) float32 captured sampling logprob
+    stale: np.ndarray  # (C,) bool: sampled by an older policy_version
+    adv: np.ndarray  # (C,) float32
+    coef: np.ndarray  # (C,) float64 aggregation coefficient (sum of coef x term = loss)
+    returns: np.ndarray | None = None  # (C,) PPO value targets
+    v_old: np.ndarray | None = None  # (C,) PPO pre-step values
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+
+@dataclass
+class TrainBatch:
+    trees: list[TrainTree]
+    rollouts: list[RolloutInfo]
+    harnesses: list[str]
+    contrib: Contributions
+    sequences: list[tuple[int, TrainSequence]]  # (tree index, sequence) in global sequence order
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unique_tokens(self) -> int:
+        return int(sum(t.n_tokens for t in self.trees))
+
+    @property
+    def flattened_tokens(self) -> int:
+        return int(sum(t.flattened_tokens for t in self.trees))
+
+
+def check_rewards(trees: list[TrainTree], rollouts: dict[str, RolloutInfo]) -> None:
+    """Every rollout with a sequence must have a finite reward; the error names the rollout."""
+    for tree in trees:
+        for s in tree.sequences:
+            info = rollouts.get(s.rollout_id)
+            if info is None:
+                raise TrainingError(
+                    f"rollout {s.rollout_id} (tree {tree.tree_id}, call {s.call_id}) has no row in rollouts; "
+                    "land its results first (`clawpipe lake land`) or rebuild the trees"
+                )
+            if info.reward is None or not math.isfinite(info.reward):
+                raise TrainingError(
+                    f"rollout {s.rollout_id} has reward {info.reward!r}: rewards must be finite numbers; "
+                    "fix the task verifier or drop the rollout's status via skip_statuses"
+                )
+
+
+def build_batch(
+    trees: list[TrainTree], rollouts: dict[str, RolloutInfo], config: TrainConfig, *, policy_version: int | None
+) -> TrainBatch:
+    """Drop unusable trees and zero-variance groups, then lay out contributions, advantages and coefficients."""
+    check_rewards(trees, rollouts)
+    stats: dict[str, float] = {"trees_in": len(trees)}
+    used = {s.rollout_id for t in trees for s in t.sequences}
+    rewards = {r: float(rollouts[r].reward) for r in used}
+    keys = {r: adv_mod.group_key(rollouts[r], config.group_by) for r in used}
+    moments = adv_mod.group_moments(rewards, keys)
+    if rewards:
+        all_r = np.asarray(list(rewards.values()))
+        stats["reward/mean"], stats["reward/std"] = float(all_r.mean()), float(all_r.std())
+        for h in sorted({rollouts[r].harness for r in used}):
+            hr = np.asarray([v for r, v in rewards.items() if rollouts[r].harness == h])
+            stats[f"reward/mean/{h}"], stats[f"reward/std/{h}"] = float(hr.mean()), float(hr.std())
+    skip_groups = set()
+    if config.algorithm == "grpo":
+        skip_groups = {k for k, (_, std, n) in moments.items() if n < 2 or std < 1e-8}
+    stats["groups"] = len(moments)
+    stats["groups_skipped_zero_variance"] = len(skip_groups)
+
+    kept: list[TrainTree] = []
+    no_gen = 0
+    for tree in trees:
+        seqs = [s for s in tree.sequences if keys[s.rollout_id] not in skip_groups and len(s.gen_positions) > 0]
+        if not seqs:
+            if not any(len(s.gen_positions) for s in tree.sequences):
+                no_gen += 1
+            continue
+        kept.append(tree.pruned(seqs))  # also drops tokens no kept sequence passes through
+    stats["trees_no_generated_tokens"] = no_gen
+    stats["trees"] = len(kept)
+    if trees and no_gen == len(trees):
+        raise TrainingError(
+            f"none of the {len(trees)} trees has a generated token: nothing to train on (were all calls "
+            "retokenized or failed? see tree_stats)"
+        )
+
+    rids = sorted({s.rollout_id for t in kept for s in t.sequences})
+    r_index = {r: i for i, r in enumerate(rids)}
+    infos = [rollouts[r] for r in rids]
+    harnesses = sorted({i.harness for i in infos})
+    h_index = {h: i for i, h in enumerate(harnesses)}
+
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("tree", "pos", "seq", "idx", "rollout", "old", "stale")}
+    sequences: list[tuple[int, TrainSequence]] = []
+    dropped_first = 0
+    seq_id = 0
+    for ti, tree in enumerate(kept):
+        for s in tree.sequences:
+            g = s.gen_positions
+            ok = tree.prev[g] >= 0  # a tree's very first token has nothing to predict it
+            dropped_first += int((~ok).sum())
+            g = g[ok]
+            cols["tree"].append(np.full(len(g), ti))
+            cols["pos"].append(g)
+            cols["seq"].append(np.full(len(g), seq_id))
+            cols["idx"].append(np.flatnonzero(ok) + s.n_prompt)
+            cols["rollout"].append(np.full(len(g), r_index[s.rollout_id]))
+            cols["old"].append(np.asarray(s.old_logprobs, dtype=np.float32)[ok])
+            stale = s.policy_version is not None and policy_version is not None and s.policy_version < policy_version
+            cols["stale"].append(np.full(len(g), stale))
+            sequences.append((ti, s))
+            seq_id += 1
+    cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
+    rollout_idx = cat["rollout"].astype(np.int64)
+    harness_of_rollout = np.asarray([h_index[i.harness] for i in infos], dtype=np.int64)
+    contrib = Contributions(
+        tree=cat["tree"].astype(np.int64),
+        pos=cat["pos"].astype(np.int64),
+        seq=cat["seq"].astype(np.int64),
+        idx=cat["idx"].astype(np.int64),
+        rollout=rollout_idx,
+        harness=harness_of_rollout[rollout_idx] if len(rollout_idx) else rollout_idx,
+        old_logprob=cat["old"].astype(np.float32),
+        stale=cat["stale"].astype(bool),
+        adv=np.zeros(len(rollout_idx), dtype=np.float32),
+        coef=np.zeros(len(rollout_idx), dtype=np.float64),
+    )
+    stats["contributions_dropped_first_token"] = dropped_first
+    batch = TrainBatch(kept, infos, harnesses, contrib, sequences, stats)
+    batch.contrib.coef = aggregation_coefficients(batch, config)
+    if config.algorithm == "grpo":
+        batch.contrib.adv = grpo_advantages(batch, config).astype(np.float32)
+    stats["sequences"] = seq_id
+    stats["rollouts"] = len(infos)
+    return batch
+
+
+def grpo_advantages(batch: TrainBatch, config: TrainConfig) -> np.ndarray:
+    """Per-contribution advantage for GRPO's outcome or TreeRL tree modes."""
+    c = batch.contrib
+    rewards = {i.rollout_id: float(i.reward) for i in batch.rollouts}
+    keys = {i.rollout_id: adv_mod.group_key(i, config.group_by) for i in batch.rollouts}
+    if config.advantage == "outcome":
+        per = adv_mod.outcome_advantages(rewards, keys, scale_std=config.scale_std, leave_one_out=config.leave_one_out)
+        table = np.asarray([per[i.rollout_id] for i in batch.rollouts], dtype=np.float64)
+        return table[c.rollout] if len(c) else np.zeros(0)
+    moments = adv_mod.group_moments(rewards, keys)
+    out = np.zeros(len(c), dtype=np.float64)
+    for ti, tree in enumerate(batch.trees):
+        rids = {s.rollout_id for s in tree.sequences}
+        gkeys = {keys[r] for r in rids}
+        # the tree's root value: mean reward of its group (group trees hold one group)
+        root = float(np.mean([moments[k][0] for k in gkeys]))
+        token_adv = adv_mod.tree_token_advantages(
+            tree, rewards, root, mode=config.advantage, leaf_norm=config.tree_leaf_norm
+        )
+        sel = c.tree == ti
+        vals = token_adv[c.pos[sel]]
+        if config.scale_std:
+            std = np.asarray([moments[keys[batch.rollouts[r].rollout_id]][1] for r in c.rollout[sel]])
+            vals = vals / (std + adv_mod.EPS)
+        out[sel] = vals
+    return out
+
+
+def aggregation_coefficients(batch: TrainBatch, config: TrainConfig) -> np.ndarray:
+    """Coefficients w_c such that loss = sum_c w_c * term_c implements the configured aggregation.
+
+    token-mean (DAPO): weighted mean over all (token, sequence) entries. seq-mean-token-mean (GRPO): token
+    mean per sequence, weighted mean over sequences. seq-mean-token-sum-norm (Dr. GRPO): token sums per
+    sequence / norm_tokens, weighted mean over sequences. per-rollout-mean: token mean per rollout, weighted
+    mean over rollouts. Weights are the harness weights (1 unless configured).
+    """
+    c = batch.contrib
+    if len(c) == 0:
+        return np.zeros(0)
+    hw = np.asarray([config.harness_weights.get(h, 1.0) for h in batch.harnesses], dtype=np.float64)
+    w = hw[c.harness]  # (C,)
+    agg = config.aggregation
+    if agg == "token-mean":
+        total = w.sum()
+        return w / total if total > 0 else np.zeros_like(w)
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        n_seq = int(c.seq.max()) + 1
+        per_seq = np.bincount(c.seq, minlength=n_seq).astype(np.float64)
+        seq_w = np.zeros(n_seq)
+        seq_w[c.seq] = w
+        denom = seq_w[per_seq > 0].sum()
+        if denom <= 0:
+            return np.zeros_like(w)
+        if agg == "seq-mean-token-mean":
+            return w / (per_seq[c.seq] * denom)
+        norm = config.norm_tokens or int(per_seq.max())
+        return w / (norm * denom)
+    # per-rollout-mean
+    n_r = len(batch.rollouts)
+    per_r = np.bincount(c.rollout, minlength=n_r).astype(np.float64)
+    r_w = np.zeros(n_r)
+    r_w[c.rollout] = w
+    denom = r_w[per_r > 0].sum()
+    return w / (per_r[c.rollout] * denom) if denom > 0 else np.zeros_like(w)

@@ -1,0 +1,253 @@
+"""The trainer: one GRPO or PPO update over a packed tree batch (or the flat baseline layout).
+
+    trainer = Trainer(model, config, policy_version=v)
+    metrics = trainer.step(batch)            # forward/backward per micro-batch, clip, optimizer step
+
+`accumulate` runs forward + backward without stepping (the equivalence tests compare its gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from clawpipe.errors import ConfigError
+from clawpipe.train import advantages as adv_mod
+from clawpipe.train.batch import TrainBatch
+from clawpipe.train.config import TrainConfig
+from clawpipe.train.losses import TermInputs, contribution_loss, score
+from clawpipe.train.packing import MicroBatch, pack_flat, pack_trees
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    """Holds the policy (+ value head for PPO), the optimizer and an optional frozen reference policy."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: TrainConfig,
+        *,
+        policy_version: int = 0,
+        value_head: torch.nn.Module | None = None,
+        reference: torch.nn.Module | None = None,
+        optimizer_state: dict | None = None,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            from clawpipe.config import get_settings
+
+            torch.set_num_threads(get_settings().torch_threads)
+        torch.manual_seed(config.seed)
+        self.model = model.to(self.device)
+        self.model.train()
+        self.policy_version = policy_version
+        if config.algorithm == "ppo" and value_head is None:
+            value_head = torch.nn.Linear(model.config.hidden_size, 1)
+            torch.nn.init.zeros_(value_head.weight)
+            torch.nn.init.zeros_(value_head.bias)
+        self.value_head = value_head.to(self.device) if value_head is not None else None
+        self.reference = reference.to(self.device).eval() if reference is not None else None
+        if config.kl_coef > 0 and self.reference is None:
+            raise ConfigError("kl_coef > 0 needs a reference model: pass reference= (or set kl_coef = 0)")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            self.params += list(self.value_head.parameters())
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+        )
+        if optimizer_state is not None:
+            try:
+                self.optimizer.load_state_dict(optimizer_state)
+            except (ValueError, KeyError) as exc:
+                log.warning("optimizer state does not match the parameters (%s); starting a fresh optimizer", exc)
+
+    # ---------------------------------------------------------------------------------------------------
+    def pack(self, batch: TrainBatch, layout: str = "tree") -> list[MicroBatch]:
+        budget = self.config.max_tokens_per_micro_batch
+        if layout == "tree":
+            block = self.config.attention_block_tokens if self.config.attention == "blocks" else None
+            mbs = pack_trees(batch, budget, block)
+        else:
+            mbs = pack_flat(batch, budget)
+        return [mb.to(self.device) for mb in mbs]
+
+    def _autocast(self) -> torch.autocast:
+        enabled = self.device.type == "cuda" and self.config.bf16
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _score(self, model: Any, mb: MicroBatch, value_head: torch.nn.Module | None = None):
+        with self._autocast():
+            return score(
+                model,
+                mb,
+                temperature=self.config.sampling_temperature,
+                value_head=value_head,
+                entropy_grad=self.config.entropy_coef > 0,
+            )
+
+    @torch.no_grad()
+    def _prepass(self, batch: TrainBatch, mbs: list[MicroBatch]) -> dict[str, np.ndarray]:
+        """Reference logprobs (KL) and pre-step values (PPO) per contribution, without gradients."""
+        c = batch.contrib
+        out: dict[str, np.ndarray] = {}
+        if self.reference is not None:
+            ref = np.zeros(len(c), dtype=np.float32)
+            for mb in mbs:
+                s = self._score(self.reference, mb)
+                ref[mb.contrib_index] = s.logprob[mb.contrib_score].float().cpu().numpy()
+            out["ref"] = ref
+        if self.value_head is not None:
+            v = np.zeros(len(c), dtype=np.float32)
+            for mb in mbs:
+                s = self._score(self.model, mb, self.value_head)
+                assert s.value is not None
+                v[mb.contrib_index] = s.value[mb.contrib_score].float().cpu().numpy()
+            out["v_old"] = v
+        return out
+
+    def ppo_advantages(self, batch: TrainBatch, v_old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """GAE per contribution (whitened if configured) and value targets."""
+        c = batch.contrib
+        cfg = self.config
+        rewards = {i.rollout_id: float(i.reward) for i in batch.rollouts}
+        adv = np.zeros(len(c), dtype=np.float64)
+        for ti, tree in enumerate(batch.trees):
+            sel = np.flatnonzero(c.tree == ti)
+            values = np.zeros(tree.n_tokens, dtype=np.float64)
+            values[c.pos[sel]] = v_old[sel]
+            scored = np.zeros(tree.n_tokens, dtype=bool)
+            scored[c.pos[sel]] = True
+            token_adv = adv_mod.gae_token_advantages(tree, rewards, values, scored, gamma=cfg.gamma, lam=cfg.gae_lambda)
+            adv[sel] = token_adv[c.pos[sel]]
+        returns = adv + v_old
+        if cfg.whiten_advantages and len(adv) > 1:
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        return adv.astype(np.float32), returns.astype(np.float32)
+
+    # ---------------------------------------------------------------------------------------------------
+    def accumulate(
+        self, batch: TrainBatch, mbs: list[MicroBatch], *, epoch: int = 0, state: dict | None = None
+    ) -> dict[str, float]:
+        """Forward + backward over all micro-batches (gradients accumulate); returns summed loss parts."""
+        cfg = self.config
+        c = batch.contrib
+        state = state if state is not None else self.prepare(batch, mbs)
+        dev = self.device
+        sums: dict[str, float] = defaultdict(float)
+        for mb in mbs:
+            idx = mb.contrib_index
+            s = self._score(self.model, mb, self.value_head)
+            lp = s.logprob[mb.contrib_score]  # (C_mb,)
+            if epoch == 0:
+                state["prox"][idx] = lp.detach().float().cpu().numpy()
+                current = ~c.stale[idx]
+                if current.any():
+                    diff = np.abs(state["prox"][idx][current] - c.old_logprob[idx][current])
+                    sums["logprob/max_abs_diff_current"] = max(sums["logprob/max_abs_diff_current"], float(diff.max()))
+                    sums["_diff_sum"] += float(diff.sum())
+                    sums["_diff_n"] += float(current.sum())
+
+            def t(a: np.ndarray, i: np.ndarray = idx) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(a[i])).to(dev)
+
+            x = TermInputs(
+                logprob=lp,
+                old_logprob=t(c.old_logprob),
+                prox_logprob=t(state["prox"]),
+                stale=t(c.stale),
+                adv=t(state.get("adv", c.adv)).float(),
+                coef=t(c.coef).float(),
+                entropy=s.entropy[mb.contrib_score],
+                ref_logprob=t(state["ref"]) if "ref" in state else None,
+                value=s.value[mb.contrib_score] if s.value is not None else None,
+                v_old=t(state["v_old"]) if "v_old" in state else None,
+                returns=t(state["returns"]) if "returns" in state else None,
+            )
+            loss, parts = contribution_loss(x, cfg)
+            loss.backward()
+            for k, v in parts.items():
+                if k == "ratio_max":
+                    sums[k] = max(sums[k], float(v))
+                else:
+                    sums[k] += float(v)
+        return dict(sums)
+
+    def prepare(self, batch: TrainBatch, mbs: list[MicroBatch]) -> dict:
+        """Per-step state: proximal logprobs slot, reference logprobs, PPO values/advantages/returns."""
+        state: dict = {"prox": np.zeros(len(batch.contrib), dtype=np.float32)}
+        need = self.reference is not None or self.value_head is not None
+        if need:
+            state.update(self._prepass(batch, mbs))
+        if self.config.algorithm == "ppo":
+            adv, returns = self.ppo_advantages(batch, state["v_old"])
+            state["adv"] = adv
+            state["returns"] = returns
+        return state
+
+    def step(self, batch: TrainBatch, *, layout: str = "tree") -> dict[str, float]:
+        """One training step (config.epochs optimizer steps over the batch); returns metrics."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {k: float(v) for k, v in batch.stats.items()}
+        c = batch.contrib
+        metrics.update(
+            {
+                "tokens/flattened": float(batch.flattened_tokens),
+                "tokens/unique": float(batch.unique_tokens),
+                "tokens/redundancy": batch.flattened_tokens / max(batch.unique_tokens, 1),
+                "tokens/trained": float(len(c)),
+            }
+        )
+        if len(c) == 0:
+            log.warning("empty batch (all groups zero-variance or no generated tokens): no update this step")
+            metrics["empty_step"] = 1.0
+            return metrics
+        mbs = self.pack(batch, layout)
+        metrics["micro_batches"] = float(len(mbs))
+        metrics["tokens/forward"] = float(sum(mb.n_tokens for mb in mbs))
+        state = self.prepare(batch, mbs)
+        if "adv" in state:
+            metrics["advantage/mean"] = float(np.mean(state["adv"]))
+        else:
+            metrics["advantage/mean"] = float(np.mean(c.adv))
+            metrics["advantage/abs_mean"] = float(np.mean(np.abs(c.adv)))
+        for epoch in range(self.config.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums = self.accumulate(batch, mbs, epoch=epoch, state=state)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+            if not math.isfinite(float(grad_norm)):
+                raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)}; lower learning_rate")
+            self.optimizer.step()
+            if epoch == 0:
+                first = dict(sums)
+                first["grad_norm"] = float(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        n_diff = first.pop("_diff_n", 0.0)
+        diff_sum = first.pop("_diff_sum", 0.0)
+        if n_diff:
+            first["logprob/mean_abs_diff_current"] = diff_sum / n_diff
+        first["clip_fraction"] = first.pop("clip_count", 0.0) / len(c)
+        if "value_clip_count" in first:
+            first["value_clip_fraction"] = first.pop("value_clip_count") / len(c)
+        metrics.update(first)
+        if self.device.type == "cuda":
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        elapsed = time.perf_counter() - t0
+        metrics["time/step_s"] = elapsed
+        metrics["throughput/flattened_tokens_per_s"] = batch.flattened_tokens / elapsed
+        metrics["throughput/forward_tokens_per_s"] = metrics["tokens/forward"] / elapsed
+        return metrics

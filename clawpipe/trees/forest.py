@@ -1,0 +1,366 @@
+"""All prefix trees of a batch of calls: Arrow in (the SQL stage's rows), Arrow out (tree_nodes, tree_stats).
+
+:func:`build_forest` takes the rows of ``sql/trees/calls.sql`` (one per call x choice, with the rollout's
+group and reward), keeps calls without sampled ids out of the trees, builds one tree per rollout and one
+per group (:mod:`clawpipe.trees.prefix_tree`) group by group, and lays every node's tokens and logprobs
+out with one vectorised gather per batch. Rows are sorted here, so the result does not depend on the
+order they arrive in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from clawpipe.errors import TreeError
+from clawpipe.schemas import TREE_NODES, TREE_STATS, CallStatus, TokenSource
+from clawpipe.trees.prefix_tree import CAUSES, DRIFT, TreeNodes, TreeSequences, build_tree
+
+log = logging.getLogger(__name__)
+
+SCOPES = ("rollout", "group")
+REQUIRED = ("call_id", "rollout_id", "prompt_token_ids")
+OPTIONAL: dict[str, pa.DataType] = {
+    "choice_index": pa.int32(),
+    "group_id": pa.string(),
+    "sample_idx": pa.int32(),
+    "seq": pa.int64(),
+    "t_start": pa.timestamp("us", tz="UTC"),
+    "status": pa.string(),
+    "policy_version": pa.int64(),
+    "completion_token_ids": pa.list_(pa.int32()),
+    "completion_logprobs": pa.list_(pa.float32()),
+    "finish_reason": pa.string(),
+    "token_source": pa.string(),
+    "reward": pa.float64(),
+}
+SORT_KEYS = ("group_id", "sample_idx", "rollout_id", "seq", "t_start", "call_id", "choice_index")
+
+
+def tree_id_of(scope: str, key: str) -> str:
+    """The tree_id of the rollout tree of ``key`` (a rollout_id) or the group tree of ``key`` (a group_id)."""
+    return f"{scope}:{key}"
+
+
+@dataclass
+class _Lists:
+    """A list<...> column as flat numpy values plus per-row start and length (nulls have length 0)."""
+
+    values: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+
+    @classmethod
+    def of(cls, col: pa.ChunkedArray | pa.Array, dtype: type, order: np.ndarray) -> _Lists:
+        """The column's lists, rows permuted by ``order`` (values stay where they are: no copy of the ids)."""
+        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        arr = arr.cast(pa.list_(pa.from_numpy_dtype(dtype)))
+        length = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
+        offsets = arr.offsets.to_numpy().astype(np.int64)[:-1] if len(arr) else np.zeros(0, np.int64)
+        values = arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+        return cls(values, offsets[order], length[order])
+
+
+@dataclass
+class _Batch:
+    """A sorted batch of call rows with everything the trees need as numpy arrays."""
+
+    table: pa.Table
+    prompt: _Lists
+    completion: _Lists
+    logprobs: _Lists
+    glen: np.ndarray  # completion tokens generated in the tree (0 for failed calls)
+    in_tree: np.ndarray  # bool
+    failed: np.ndarray
+    truncated: np.ndarray
+    kept_out: np.ndarray  # token_source retokenized / none
+    call_code: np.ndarray
+    rollout_code: np.ndarray
+    rollout_ids: list[str]
+    group_code: np.ndarray
+    group_ids: list[str]
+    reward_of_rollout: np.ndarray  # NaN where unknown
+    mv_prompt: memoryview = field(repr=False)
+    mv_completion: memoryview = field(repr=False)
+
+    def key(self, r: int) -> bytes:
+        """Row r's sequence (prompt + generated completion) as big-endian uint32 bytes."""
+        ps = int(self.prompt.offset[r]) * 4
+        cs = int(self.completion.offset[r]) * 4
+        return b"".join(
+            (
+                self.mv_prompt[ps : ps + int(self.prompt.length[r]) * 4],
+                self.mv_completion[cs : cs + int(self.glen[r]) * 4],
+            )
+        )
+
+
+def _prepare(calls: pa.Table) -> _Batch:
+    missing = [c for c in REQUIRED if c not in calls.column_names]
+    if missing:
+        raise TreeError(f"tree input lacks columns {missing}; select calls with sql/trees/calls.sql")
+    for name, typ in OPTIONAL.items():
+        if name not in calls.column_names:
+            calls = calls.append_column(name, pa.nulls(len(calls), typ))
+    calls = calls.set_column(
+        calls.column_names.index("group_id"), "group_id", pc.coalesce(calls["group_id"], calls["rollout_id"])
+    )
+    keys = calls.select(list(SORT_KEYS))
+    order = pc.sort_indices(keys, sort_keys=[(k, "ascending", "at_end") for k in SORT_KEYS])
+    lists = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
+    prompt = _Lists.of(calls["prompt_token_ids"], np.int32, order.to_numpy())
+    completion = _Lists.of(calls["completion_token_ids"], np.int32, order.to_numpy())
+    logprobs = _Lists.of(calls["completion_logprobs"], np.float32, order.to_numpy())
+    has_ids = pc.is_valid(calls["prompt_token_ids"]).to_numpy(zero_copy_only=False)[order.to_numpy()]
+    calls = calls.drop_columns(list(lists)).take(order).combine_chunks()
+    status = calls["status"].to_numpy(zero_copy_only=False)
+    source = calls["token_source"].to_numpy(zero_copy_only=False)
+    finish = calls["finish_reason"].to_numpy(zero_copy_only=False)
+    n = len(calls)
+    failed = np.array([s is not None and s != CallStatus.ok for s in status], dtype=bool) | (completion.length == 0)
+    truncated = np.array([f == "length" for f in finish], dtype=bool)
+    kept_out = np.array(
+        [not (s == TokenSource.upstream or (s is None and h)) for s, h in zip(source, has_ids, strict=True)],
+        dtype=bool,
+    ).reshape(n)
+    glen = np.where(failed, 0, completion.length)
+    in_tree = ~kept_out & (prompt.length + glen > 0)
+
+    def codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
+        enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+        return enc.indices.to_numpy().astype(np.int64), enc.dictionary.to_pylist()
+
+    call_code, _ = codes(calls["call_id"])
+    rollout_code, rollout_ids = codes(calls["rollout_id"])
+    group_code, group_ids = codes(calls["group_id"])
+    reward = pc.fill_null(calls["reward"], np.nan).to_numpy()
+    reward_of_rollout = np.full(len(rollout_ids), np.nan)
+    reward_of_rollout[rollout_code[::-1]] = reward[::-1]  # the first row's reward per rollout
+    p_be = prompt.values.astype(">u4").view(np.uint8)
+    c_be = completion.values.astype(">u4").view(np.uint8)
+    return _Batch(
+        table=calls,
+        prompt=prompt,
+        completion=completion,
+        logprobs=logprobs,
+        glen=glen,
+        in_tree=in_tree,
+        failed=failed,
+        truncated=truncated,
+        kept_out=kept_out,
+        call_code=call_code,
+        rollout_code=rollout_code,
+        rollout_ids=rollout_ids,
+        group_code=group_code,
+        group_ids=group_ids,
+        reward_of_rollout=reward_of_rollout,
+        mv_prompt=memoryview(p_be),  # type: ignore[arg-type]
+        mv_completion=memoryview(c_be),  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class _Acc:
+    """Per-node arrays of every tree built so far (concatenated at the end), plus tree_stats rows."""
+
+    tree: list[np.ndarray] = field(default_factory=list)  # tree index per node
+    parts: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    rollout_lists: list[list[int]] = field(default_factory=list)
+    leaf_rewards: list[float] = field(default_factory=list)
+    tree_ids: list[str] = field(default_factory=list)
+    scopes: list[str] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        self.parts.setdefault(name, []).append(arr)
+
+    def cat(self, name: str, dtype: type) -> np.ndarray:
+        got = self.parts.get(name)
+        return np.concatenate(got).astype(dtype, copy=False) if got else np.zeros(0, dtype)
+
+
+def _to_rows(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Tree-local sequence indices -> batch rows, keeping -1."""
+    return np.where(idx >= 0, rows[np.maximum(idx, 0)], -1)
+
+
+def _add_tree(
+    acc: _Acc, b: _Batch, scope: str, key: str, group: str, rollout: str | None, all_rows: np.ndarray, keys: dict
+) -> None:
+    rows = all_rows[b.in_tree[all_rows]]
+    seqs = TreeSequences(
+        keys=[keys[r] for r in rows.tolist()],
+        plen=b.prompt.length[rows].tolist(),
+        glen=b.glen[rows].tolist(),
+        call=b.call_code[rows].tolist(),
+        rollout=b.rollout_code[rows].tolist(),
+    )
+    t = len(acc.tree_ids)
+    tid = tree_id_of(scope, key)
+    acc.tree_ids.append(tid)
+    acc.scopes.append(scope)
+    nodes: TreeNodes | None = build_tree(seqs, group_scope=scope == "group") if len(rows) else None
+    n = 0 if nodes is None else len(nodes.start)
+    causes = np.zeros(len(CAUSES) + 1, dtype=np.int64)
+    if nodes is not None:
+        acc.tree.append(np.full(n, t, dtype=np.int64))
+        acc.add("start", nodes.start)
+        acc.add("end", nodes.end)
+        acc.add("parent", nodes.parent)
+        acc.add("rep_row", rows[nodes.rep])
+        acc.add("gen_row", _to_rows(rows, nodes.gen))
+        acc.add("n_gen", nodes.n_gen)
+        acc.add("n_seqs", nodes.n_seqs)
+        acc.add("n_leaves", nodes.n_leaves)
+        acc.add("is_leaf", nodes.is_leaf)
+        acc.add("cause", nodes.cause)
+        acc.add("cause_row", _to_rows(rows, nodes.cause_seq))
+        acc.add("drift_row", _to_rows(rows, nodes.drift_seq))
+        acc.rollout_lists.extend(nodes.rollouts)
+        rr = b.reward_of_rollout
+        for leaf, lr in zip(nodes.is_leaf.tolist(), nodes.leaf_rollouts, strict=True):
+            vals = [rr[r] for r in lr if not np.isnan(rr[r])] if leaf else []
+            acc.leaf_rewards.append(sum(vals) / len(vals) if vals else np.nan)
+        causes = np.bincount(nodes.cause, minlength=len(CAUSES) + 1)
+    flattened = int((b.prompt.length[rows] + b.glen[rows]).sum())
+    unique = 0 if nodes is None else int((nodes.end - nodes.start).sum())
+    calls = b.call_code[all_rows]
+    acc.stats.append(
+        {
+            "tree_id": tid,
+            "scope": scope,
+            "group_id": group,
+            "rollout_id": rollout,
+            "n_calls": len(set(calls.tolist())),
+            "n_seqs": len(rows),
+            "flattened_tokens": flattened,
+            "unique_tokens": unique,
+            "redundancy": flattened / unique if unique else None,
+            "n_nodes": n,
+            "n_leaves": 0 if nodes is None else int(nodes.is_leaf.sum()),
+            **{f"branches_{c}": int(causes[i + 1]) for i, c in enumerate(CAUSES)},
+            "drift_count": 0 if nodes is None else nodes.drift_affected,
+            "failed_calls": len(set(calls[b.failed[all_rows]].tolist())),
+            "truncated_calls": len(set(calls[b.truncated[all_rows]].tolist())),
+            "retokenized_calls": len(set(calls[b.kept_out[all_rows]].tolist())),
+        }
+    )
+
+
+def build_forest(
+    calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[str, ...] = SCOPES
+) -> tuple[pa.Table, pa.Table]:
+    """Trees of every rollout and group in ``calls``: returns (tree_nodes, tree_stats) Arrow tables."""
+    bad = [s for s in scopes if s not in SCOPES]
+    if bad:
+        raise TreeError(f"unknown tree scope(s) {bad}; choose from {SCOPES}")
+    acc = _Acc()
+    if len(calls):
+        b = _prepare(calls)
+        bounds = np.flatnonzero(np.diff(b.group_code)) + 1
+        for g_rows in np.split(np.arange(len(b.group_code)), bounds):
+            keys = {r: b.key(r) for r in g_rows[b.in_tree[g_rows]].tolist()}
+            group = b.group_ids[int(b.group_code[g_rows[0]])]
+            if "rollout" in scopes:
+                rc = b.rollout_code[g_rows]
+                r_bounds = np.flatnonzero(np.diff(rc)) + 1
+                for r_rows in np.split(g_rows, r_bounds):
+                    rid = b.rollout_ids[int(b.rollout_code[r_rows[0]])]
+                    _add_tree(acc, b, "rollout", rid, group, rid, r_rows, keys)
+            if "group" in scopes:
+                _add_tree(acc, b, "group", group, group, None, g_rows, keys)
+        nodes = _assemble(acc, b, run_id, iteration)
+    else:
+        nodes = TREE_NODES.empty_table()
+    stats = pa.Table.from_pylist(
+        [{"run_id": run_id, "iteration": iteration, **s} for s in acc.stats], schema=TREE_STATS
+    )
+    return nodes, stats
+
+
+def _take_str(col: pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
+    idx = pa.array(np.maximum(rows, 0), mask=rows < 0)
+    return pc.take(col, idx)
+
+
+def _assemble(acc: _Acc, b: _Batch, run_id: str, iteration: int) -> pa.Table:
+    if not acc.tree:
+        return TREE_NODES.empty_table()
+    tree = np.concatenate(acc.tree)
+    start, end = acc.cat("start", np.int64), acc.cat("end", np.int64)
+    rep, gen = acc.cat("rep_row", np.int64), acc.cat("gen_row", np.int64)
+    cause, cause_row, drift_row = (
+        acc.cat("cause", np.int8),
+        acc.cat("cause_row", np.int64),
+        acc.cat("drift_row", np.int64),
+    )
+    length = end - start
+    off = np.zeros(len(length) + 1, dtype=np.int64)
+    np.cumsum(length, out=off[1:])
+    # A context node lies inside the prompt of every sequence through it; a generated node inside its
+    # generator's completion: so each node is one contiguous slice of the prompt or the completion values.
+    generated = gen >= 0
+    src = np.where(generated, gen, rep)
+    g_start = b.completion.offset[src] + start - b.prompt.length[src]
+    p_start = b.prompt.offset[src] + start
+    p_vals, c_vals = b.prompt.values, b.completion.values
+    pieces = [
+        c_vals[a : a + n] if g else p_vals[q : q + n]
+        for g, a, q, n in zip(generated.tolist(), g_start.tolist(), p_start.tolist(), length.tolist(), strict=True)
+    ]
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+    token_ids = pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(tokens.astype(np.int32)))
+
+    g_len = np.where(generated, length, 0)
+    g_off = np.zeros(len(g_len) + 1, dtype=np.int64)
+    np.cumsum(g_len, out=g_off[1:])
+    lp_ok = b.logprobs.length[src] == b.completion.length[src]
+    lp_start = b.logprobs.offset[src] + start - b.prompt.length[src]
+    lp_vals = b.logprobs.values
+    lp_pieces = [
+        lp_vals[a : a + n] if ok else np.full(n, np.nan, dtype=np.float32)
+        for g, ok, a, n in zip(generated.tolist(), lp_ok.tolist(), lp_start.tolist(), length.tolist(), strict=True)
+        if g
+    ]
+    lp = np.concatenate(lp_pieces) if lp_pieces else np.zeros(0, np.float32)
+    logprobs = pa.ListArray.from_arrays(
+        pa.array(g_off.astype(np.int32)), pa.array(lp.astype(np.float32)), mask=pa.array(~generated)
+    )
+
+    r_len = np.fromiter((len(r) for r in acc.rollout_lists), dtype=np.int64, count=len(acc.rollout_lists))
+    r_off = np.zeros(len(r_len) + 1, dtype=np.int32)
+    np.cumsum(r_len, out=r_off[1:])
+    r_flat = np.fromiter((x for r in acc.rollout_lists for x in r), dtype=np.int64, count=int(r_off[-1]))
+    rollout_ids = pa.ListArray.from_arrays(pa.array(r_off), pa.array(b.rollout_ids, pa.string()).take(r_flat))
+
+    label_row = np.where(generated, gen, np.where(cause == DRIFT, cause_row, -1))
+    cause_names = np.array([None, *CAUSES], dtype=object)[cause]
+    tbl = b.table
+    cols = {
+        "run_id": pa.array(np.full(len(tree), run_id, dtype=object), pa.string()),
+        "iteration": pa.array(np.full(len(tree), iteration, dtype=np.int32)),
+        "tree_id": pa.array(acc.tree_ids, pa.string()).take(tree),
+        "scope": pa.array(acc.scopes, pa.string()).take(tree),
+        "node_id": pa.array(np.concatenate([np.arange(len(x)) for x in acc.tree]).astype(np.int32)),
+        "parent_id": pa.array(acc.cat("parent", np.int32)),
+        "depth": pa.array(start.astype(np.int32)),
+        "token_ids": token_ids,
+        "generated": pa.array(generated),
+        "logprobs": logprobs,
+        "call_id": _take_str(tbl["call_id"], label_row),
+        "choice_index": _take_str(tbl["choice_index"], label_row),
+        "policy_version": _take_str(tbl["policy_version"], gen),
+        "rollout_ids": rollout_ids,
+        "n_seqs": pa.array(acc.cat("n_seqs", np.int32)),
+        "n_generated": pa.array(acc.cat("n_gen", np.int32)),
+        "n_leaves": pa.array(acc.cat("n_leaves", np.int32)),
+        "is_leaf": pa.array(acc.cat("is_leaf", bool)),
+        "reward": pa.array(np.asarray(acc.leaf_rewards, dtype=np.float64), from_pandas=True),
+        "branch_cause": pa.array(cause_names, pa.string()),
+        "drift_call_id": _take_str(tbl["call_id"], drift_row),
+    }
+    return pa.table({f.name: cols[f.name].cast(f.type) for f in TREE_NODES}, schema=TREE_NODES)

@@ -1,0 +1,1 @@
+"""Prefect flows that wire clawpipe's library stages into scheduled, retried, tracked runs."""

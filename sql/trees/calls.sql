@@ -1,0 +1,48 @@
+-- Input of the tree builder: every call x choice of one run iteration with its rollout's group, reward and
+-- order (clawpipe.trees.forest). `$group_ids` restricts to some groups (tree building goes group by group
+-- to bound memory); `$all_groups` = true ignores it. Rollouts without a group form a group of their own.
+with calls as (
+    select
+        call_id,
+        choice_index,
+        rollout_id,
+        seq,
+        t_start,
+        status,
+        policy_version,
+        prompt_token_ids,
+        completion_token_ids,
+        completion_logprobs,
+        finish_reason,
+        token_source
+    from model_calls
+    where run_id = $run_id and iteration = $iteration
+),
+
+runs as (
+    select
+        rollout_id,
+        group_id,
+        sample_idx,
+        reward,
+        status as rollout_status
+    from rollouts
+    where run_id = $run_id and iteration = $iteration
+    qualify row_number() over (partition by rollout_id order by attempt desc nulls last) = 1
+),
+
+final as (
+    select
+        calls.*,
+        coalesce(runs.group_id, calls.rollout_id) as group_id,
+        runs.sample_idx,
+        runs.reward,
+        runs.rollout_status
+    from calls
+    left join runs using (rollout_id)
+)
+
+select *
+from final
+where $all_groups or list_contains($group_ids, group_id)
+order by group_id, sample_idx nulls last, rollout_id, seq nulls last, t_start nulls last, call_id, choice_index

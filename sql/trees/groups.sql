@@ -1,0 +1,27 @@
+-- Groups of one run iteration with their call count and token volume, to plan tree building in
+-- memory-bounded batches of whole groups. Rollouts without a group form a group of their own.
+with runs as (
+    select
+        rollout_id,
+        group_id
+    from rollouts
+    where run_id = $run_id and iteration = $iteration
+    qualify row_number() over (partition by rollout_id order by attempt desc nulls last) = 1
+),
+
+final as (
+    select
+        coalesce(runs.group_id, model_calls.rollout_id) as group_id,
+        count(distinct model_calls.rollout_id) as n_rollouts,
+        count(*) as n_rows,
+        sum(coalesce(len(model_calls.prompt_token_ids), 0) + coalesce(len(model_calls.completion_token_ids), 0))
+            as n_tokens
+    from model_calls
+    left join runs using (rollout_id)
+    where model_calls.run_id = $run_id and model_calls.iteration = $iteration
+    group by 1
+)
+
+select *
+from final
+order by group_id

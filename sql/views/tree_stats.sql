@@ -1,0 +1,10 @@
+-- One row per prefix tree with its branch and redundancy counts (schemas.TREE_STATS).
+-- Over every Parquet part of the lake; `lake_root` is set by clawpipe.tables.connect.
+create or replace view tree_stats as
+select *
+from read_parquet(
+    getvariable('lake_root') || '/tree_stats/run_id=*/iteration=*/*.parquet',
+    hive_partitioning = true,
+    union_by_name = true,
+    hive_types = {'run_id': 'VARCHAR', 'iteration': 'INTEGER'}
+)

@@ -1,0 +1,327 @@
+"""The real sql/analytics and sql/audits files over fixture rows, with the rows each must return;
+and the read-only guard of ad hoc SQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from clawpipe import schemas, tables
+from clawpipe.errors import LakeError
+from clawpipe.lake import run_audits, run_saved, run_sql, saved_names
+
+
+def _call(call_id: str, rollout_id: str, run: str = "A", it: int = 0, **kw: Any) -> dict[str, Any]:
+    row = {
+        "call_id": call_id,
+        "choice_index": 0,
+        "run_id": run,
+        "iteration": it,
+        "rollout_id": rollout_id,
+        "api": "chat",
+        "status": "ok",
+        "http_status": 200,
+        "policy_version": 1,
+        "token_source": "upstream",
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": [3],
+        "completion_logprobs": [-0.5],
+    }
+    row.update(kw)
+    return row
+
+
+def _rollout(rollout_id: str, run: str = "A", it: int = 0, **kw: Any) -> dict[str, Any]:
+    row = {
+        "rollout_id": rollout_id,
+        "run_id": run,
+        "iteration": it,
+        "harness": "h1",
+        "status": "succeeded",
+        "eval": False,
+    }
+    row.update(kw)
+    return row
+
+
+def _write(lake: Path, table: str, rows: list[dict[str, Any]]) -> None:
+    parts: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        parts.setdefault((r["run_id"], r["iteration"]), []).append(r)
+    for (run, it), rs in parts.items():
+        tables.replace_partition(lake, table, run, it, pa.Table.from_pylist(rs, schema=schemas.TABLES[table]))
+
+
+@pytest.fixture
+def lake(tmp_path: Path) -> Path:
+    root = tmp_path / "lake"
+    _write(
+        root,
+        "rollouts",
+        [
+            _rollout("ra1", reward=1.0),
+            _rollout("ra2", status="failed", reward=0.0, error="boom\ntraceback"),
+            _rollout("ra3", harness="h2", reward=0.5),
+            _rollout("ra4", it=1, reward=0.25),
+            _rollout("re1", it=1, reward=1.0, eval=True),
+            _rollout("rb1", run="B", status="timeout", exit_code=-9),
+        ],
+    )
+    _write(
+        root,
+        "model_calls",
+        [
+            _call("c1", "ra1", latency_ms=10.0, upstream_ms=8.0, prompt_tokens=5, completion_tokens=3),
+            _call("c2", "ra1", latency_ms=20.0, upstream_ms=15.0, prompt_tokens=7, completion_tokens=2),
+            _call("c2", "ra1", choice_index=1, latency_ms=20.0, upstream_ms=15.0, prompt_tokens=7, completion_tokens=4),
+            _call(
+                "c3",
+                "ra2",
+                policy_version=2,
+                latency_ms=30.0,
+                upstream_ms=25.0,
+                prompt_tokens=6,
+                completion_tokens=3,
+                token_source="retokenized",
+                completion_logprobs=None,
+            ),
+            _call(
+                "c4",
+                "ra2",
+                policy_version=2,
+                latency_ms=40.0,
+                status="http_error",
+                http_status=500,
+                error="upstream 500",
+                token_source="none",
+                prompt_token_ids=None,
+                completion_token_ids=None,
+                completion_logprobs=None,
+            ),
+            _call(
+                "c5",
+                "rb1",
+                run="B",
+                api="messages",
+                policy_version=2,
+                latency_ms=50.0,
+                upstream_ms=45.0,
+                prompt_tokens=4,
+                completion_tokens=1,
+            ),
+        ],
+    )
+    return root
+
+
+def test_saved_queries_are_the_expected_set() -> None:
+    assert set(saved_names()) >= {
+        "reward_by_harness_iteration",
+        "calls_tokens_per_rollout",
+        "latency_by_policy_version",
+        "retokenized_call_rate",
+        "failure_reasons",
+    }
+
+
+def test_reward_by_harness_and_iteration(lake: Path) -> None:
+    rows = run_saved(lake, "reward_by_harness_iteration").to_pylist()
+    key = ("run_id", "harness", "iteration", "eval", "rollouts", "succeeded", "mean_reward", "min_reward", "max_reward")
+    assert [tuple(r[k] for k in key) for r in rows] == [
+        ("A", "h1", 0, False, 2, 1, 0.5, 0.0, 1.0),
+        ("A", "h1", 1, False, 1, 1, 0.25, 0.25, 0.25),
+        ("A", "h1", 1, True, 1, 1, 1.0, 1.0, 1.0),
+        ("A", "h2", 0, False, 1, 1, 0.5, 0.5, 0.5),
+        ("B", "h1", 0, False, 1, 0, None, None, None),
+    ]
+    assert rows[0]["std_reward"] == pytest.approx(0.5**0.5)
+    only_b = run_saved(lake, "reward_by_harness_iteration", {"run_id": "B"}).to_pylist()
+    assert [(r["run_id"], r["rollouts"]) for r in only_b] == [("B", 1)]
+
+
+def test_calls_and_tokens_per_rollout(lake: Path) -> None:
+    rows = run_saved(lake, "calls_tokens_per_rollout").to_pylist()
+    assert rows == [
+        {
+            "rollout_id": "ra1",
+            "run_id": "A",
+            "iteration": 0,
+            "calls": 2,
+            "call_choices": 3,
+            "prompt_tokens": 12,
+            "completion_tokens": 9,
+            "retokenized_calls": 0,
+            "failed_calls": 0,
+            "total_latency_ms": 30.0,
+            "harness": "h1",
+            "rollout_status": "succeeded",
+            "reward": 1.0,
+        },
+        {
+            "rollout_id": "ra2",
+            "run_id": "A",
+            "iteration": 0,
+            "calls": 2,
+            "call_choices": 2,
+            "prompt_tokens": 6,
+            "completion_tokens": 3,
+            "retokenized_calls": 1,
+            "failed_calls": 1,
+            "total_latency_ms": 70.0,
+            "harness": "h1",
+            "rollout_status": "failed",
+            "reward": 0.0,
+        },
+        {
+            "rollout_id": "rb1",
+            "run_id": "B",
+            "iteration": 0,
+            "calls": 1,
+            "call_choices": 1,
+            "prompt_tokens": 4,
+            "completion_tokens": 1,
+            "retokenized_calls": 0,
+            "failed_calls": 0,
+            "total_latency_ms": 50.0,
+            "harness": "h1",
+            "rollout_status": "timeout",
+            "reward": None,
+        },
+    ]
+    filtered = run_saved(lake, "calls_tokens_per_rollout", {"run_id": "A", "iteration": "0"}).to_pylist()
+    assert [r["rollout_id"] for r in filtered] == ["ra1", "ra2"]
+    assert run_saved(lake, "calls_tokens_per_rollout", {"iteration": "1"}).num_rows == 0
+
+
+def test_latency_percentiles_by_policy_version(lake: Path) -> None:
+    rows = run_saved(lake, "latency_by_policy_version").to_pylist()
+    got = [
+        (r["policy_version"], r["api"], r["calls"], r["p50_ms"], r["p90_ms"], r["max_ms"], r["p50_overhead_ms"])
+        for r in rows
+    ]
+    assert got == [
+        (1, "chat", 2, 15.0, pytest.approx(19.0), 20.0, 3.5),
+        (2, "chat", 2, 35.0, pytest.approx(39.0), 40.0, 5.0),
+        (2, "messages", 1, 50.0, 50.0, 50.0, 5.0),
+    ]
+    assert rows[0]["p99_ms"] == pytest.approx(19.9)
+
+
+def test_retokenized_call_rate(lake: Path) -> None:
+    rows = run_saved(lake, "retokenized_call_rate").to_pylist()
+    assert rows == [
+        {
+            "run_id": "A",
+            "iteration": 0,
+            "calls": 4,
+            "retokenized_calls": 1,
+            "calls_without_ids": 1,
+            "retokenized_rate": 0.25,
+        },
+        {
+            "run_id": "B",
+            "iteration": 0,
+            "calls": 1,
+            "retokenized_calls": 0,
+            "calls_without_ids": 0,
+            "retokenized_rate": 0.0,
+        },
+    ]
+
+
+def test_failure_reasons(lake: Path) -> None:
+    rows = run_saved(lake, "failure_reasons").to_pylist()
+    assert [(r["level"], r["run_id"], r["status"], r["reason"], r["n"]) for r in rows] == [
+        ("call", "A", "http_error", "upstream 500", 1),
+        ("rollout", "A", "failed", "boom", 1),
+        ("rollout", "B", "timeout", "exit code -9", 1),
+    ]
+
+
+def test_unknown_saved_query_or_parameter_is_refused(lake: Path) -> None:
+    with pytest.raises(LakeError, match="no saved query"):
+        run_saved(lake, "nope")
+    with pytest.raises(LakeError, match="unknown"):
+        run_saved(lake, "failure_reasons", {"harness": "x"})
+
+
+def test_audits_pass_on_clean_rows(lake: Path) -> None:
+    _write(lake, "rollouts", [_rollout("rb1", run="B", status="timeout", exit_code=-9)])
+    results = run_audits(lake)
+    assert set(results) == {
+        "calls_without_rollout",
+        "completion_ids_logprobs_mismatch",
+        "duplicate_call_ids",
+        "duplicate_rollout_ids",
+        "succeeded_without_reward",
+    }
+    assert {k: v.num_rows for k, v in results.items()} == dict.fromkeys(results, 0)
+
+
+def test_audits_return_the_offending_rows(tmp_path: Path) -> None:
+    root = tmp_path / "lake"
+    _write(
+        root, "rollouts", [_rollout("r1", reward=1.0), _rollout("r2", reward=None), _rollout("r1", it=1, reward=1.0)]
+    )
+    _write(
+        root,
+        "model_calls",
+        [
+            _call("ok", "r1"),
+            _call("orphan", "ghost"),
+            _call("short", "r1", completion_token_ids=[1, 2], completion_logprobs=[-1.0]),
+            _call("twice", "r1"),
+            _call("twice", "r1"),
+        ],
+    )
+    r = {k: v.to_pylist() for k, v in run_audits(root).items()}
+    assert [x["call_id"] for x in r["calls_without_rollout"]] == ["orphan"]
+    assert r["completion_ids_logprobs_mismatch"] == [
+        {"call_id": "short", "choice_index": 0, "run_id": "A", "iteration": 0, "n_ids": 2, "n_logprobs": 1}
+    ]
+    assert r["duplicate_call_ids"] == [{"call_id": "twice", "choice_index": 0, "copies": 2}]
+    assert r["duplicate_rollout_ids"] == [{"rollout_id": "r1", "copies": 2}]
+    assert [x["rollout_id"] for x in r["succeeded_without_reward"]] == ["r2"]
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "insert into model_calls (call_id) values ('x')",
+        "delete from rollouts",
+        "create table t as select 1",
+        "copy (select 1) to 'x.csv'",
+        "attach 'other.duckdb'",
+        "install httpfs",
+        "select 1; drop view rollouts",
+        "set enable_external_access = true",
+    ],
+)
+def test_ad_hoc_sql_refuses_writes(lake: Path, query: str) -> None:
+    with pytest.raises(LakeError, match=r"read-only|exactly one"):
+        run_sql(lake, query)
+
+
+def test_ad_hoc_sql_reads_only_the_lake(lake: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "secret.csv"
+    outside.write_text("a\n1\n")
+    with pytest.raises(LakeError, match=r"[Pp]ermission"):
+        run_sql(lake, f"select * from read_csv('{outside}')")
+    assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == 6
+
+
+def test_bad_query_raises_duckdbs_message(lake: Path) -> None:
+    with pytest.raises(LakeError, match=r'Binder Error.*"nope"'):
+        run_sql(lake, "select nope from model_calls")
+    with pytest.raises(LakeError, match="Parser Error"):
+        run_sql(lake, "selec 1")
+
+
+def test_views_have_schema_types(lake: Path) -> None:
+    con = tables.connect(lake)
+    types = dict(con.sql("select column_name, column_type from (describe model_calls)").fetchall())
+    assert types["iteration"] == "INTEGER" and types["prompt_token_ids"] == "INTEGER[]"
+    assert types["completion_logprobs"] == "FLOAT[]" and types["t_start"] == "TIMESTAMP WITH TIME ZONE"

@@ -1,0 +1,76 @@
+"""Pipeline config: defaults are valid, bad input fails before anything starts and names the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clawpipe.errors import ConfigError
+from clawpipe.pipeline.config import PipelineConfig, load_config
+from clawpipe.pipeline.stages import summarize_results
+
+
+def test_defaults_train_through_two_harnesses() -> None:
+    cfg = load_config()
+    assert len({h.name for h in cfg.harnesses}) >= 2
+    assert cfg.backend == "bwrap"
+
+
+def test_toml_and_overrides(tmp_path: Path) -> None:
+    p = tmp_path / "p.toml"
+    p.write_text('iterations = 3\nbackend = "process"\n[[harnesses]]\nname = "chat-loop"\ntask_set = "guess"\n')
+    cfg = load_config(p, iterations=5)
+    assert cfg.iterations == 5 and cfg.backend == "process" and [h.name for h in cfg.harnesses] == ["chat-loop"]
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ('backend = "chroot"', "backend"),
+        ("samples = 1", "samples"),
+        ("iterations = 0", "iterations"),
+        ("bogus = 1", "bogus"),
+        ('[[harnesses]]\nname = "x"\n', "harnesses.0.task_set"),
+    ],
+)
+def test_invalid_config_names_the_field(tmp_path: Path, toml: str, field: str) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text(toml + "\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    assert field in str(exc.value)
+
+
+def test_cli_rejects_bad_config_before_starting(tmp_path: Path) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text('backend = "chroot"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "clawpipe", "run", "--config", str(p)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "backend" in out.stderr and "bwrap" in out.stderr
+    assert "prefect" not in out.stderr.lower()  # nothing started
+
+
+def test_unknown_harness_and_task_set_pairing_is_rejected() -> None:
+    from clawpipe.pipeline.stages import check_prerequisites
+
+    cfg = PipelineConfig.model_validate(
+        {"harnesses": [{"name": "chat-loop", "task_set": "calc"}], "backend": "process"}
+    )
+    with pytest.raises(ConfigError, match="does not support task set"):
+        check_prerequisites(cfg)
+
+
+def test_summarize_results_counts_failures_as_zero() -> None:
+    rows = [
+        {"harness": "a", "status": "succeeded", "reward": 1.0},
+        {"harness": "a", "status": "timeout", "reward": None},
+        {"harness": "b", "status": "infra_error", "reward": None},
+    ]
+    s = summarize_results(rows)
+    assert s["by_harness"] == {"a": {"n": 2, "reward_mean": 0.5}}
+    assert s["statuses"] == {"succeeded": 1, "timeout": 1, "infra_error": 1}

@@ -1,0 +1,111 @@
+"""Scheduling: a real Prefect server on loopback, `clawpipe deploy`, a triggered run, a worker completes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+CONFIG = """
+run_name = "scheduled"
+experiment = "deploy"
+iterations = 1
+groups = 1
+samples = 2
+eval_tasks = 0
+backend = "process"
+[[harnesses]]
+name = "chat-loop"
+task_set = "guess"
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_deployment_run_is_completed_by_a_worker(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    port = _port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(
+        {
+            "CLAWPIPE_HOME": str(home),
+            "PREFECT_HOME": str(tmp_path / "prefect"),
+            "PREFECT_API_URL": api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "true",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    server = _spawn(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env,
+        tmp_path / "server.log",
+    )
+    worker = None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        cfg = tmp_path / "p.toml"
+        cfg.write_text(CONFIG)
+        cli = [sys.executable, "-m", "clawpipe"]
+        out = subprocess.run(
+            [*cli, "deploy", "--config", str(cfg), "--cron", "0 3 * * *", "--api-url", api],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "deployment pipeline/clawpipe-pipeline" in out.stdout
+        deps = httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()
+        (dep,) = [d for d in deps if d["name"] == "clawpipe-pipeline"]
+        assert dep["schedules"] and dep["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+        run = httpx.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={}, timeout=10).json()
+        worker = _spawn([*cli, "worker", "--pool", "clawpipe", "--api-url", api], env, tmp_path / "worker.log")
+        state = None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            state = httpx.get(f"{api}/flow_runs/{run['id']}", timeout=10).json()["state"]["type"]
+            if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                break
+            time.sleep(2)
+        assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-5000:]
+        states = list((home / "runs").glob("scheduled-*/state.json"))
+        assert len(states) == 1
+        assert json.loads(states[0].read_text())["policy_version"] == 1
+    finally:
+        for p in (worker, server):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()

@@ -1,0 +1,121 @@
+"""Admin endpoints: token check, health/stats, pause/resume around a weight update, policy_version."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+
+from tests.proxy.conftest import ADMIN, ProxyHandle
+from tests.support.upstream import ScriptedUpstream
+
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+
+
+def test_admin_needs_the_admin_token(proxy: ProxyHandle, upstream):
+    from tests.proxy.conftest import key_for
+
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Bearer {key_for('r1')}"}):
+        assert httpx.get(f"{proxy.url}/admin/health", headers=headers).status_code == 401
+        assert httpx.post(f"{proxy.url}/admin/pause", headers=headers).status_code == 401
+    assert proxy.server.paused is False
+    h = httpx.get(f"{proxy.url}/admin/health", headers=AUTH).json()
+    assert h["status"] == "ok" and h["upstreams"] == [upstream.url]
+    assert httpx.get(f"{proxy.url}/admin/nope", headers=AUTH).status_code == 404
+
+
+def test_stats_count_calls(proxy: ProxyHandle, upstream):
+    client = openai.OpenAI(base_url=proxy.openai_base("r1"), api_key="x", max_retries=0)
+    for _ in range(3):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    httpx.post(f"{proxy.url}/v1/chat/completions", json={})
+    s = httpx.get(f"{proxy.url}/admin/stats", headers=AUTH).json()
+    assert (s["calls"], s["ok"], s["unauthorized"], s["records"]) == (3, 3, 1, 3)
+    assert s["rss_bytes"] > 0 and s["segment"].endswith(".open")
+
+
+def test_pause_drains_in_flight_then_new_calls_wait_and_get_new_version(proxy: ProxyHandle, upstream: ScriptedUpstream):
+    upstream.delay_s = 0.3
+    client = openai.OpenAI(base_url=proxy.openai_base("r1"), api_key="x", max_retries=0)
+    results: dict[str, object] = {}
+
+    def call(name: str) -> None:
+        results[name] = client.chat.completions.create(model="m", messages=[{"role": "user", "content": name}])
+        results[name + "_t"] = time.monotonic()
+
+    slow = threading.Thread(target=call, args=("inflight",))
+    slow.start()
+    deadline = time.monotonic() + 10
+    while not upstream.requests and time.monotonic() < deadline:  # the call is at the upstream
+        time.sleep(0.01)
+    r = httpx.post(f"{proxy.url}/admin/pause", headers=AUTH, timeout=10).json()
+    assert r == {"paused": True, "drained": True, "in_flight": 0}
+    # the pause returned only after the in-flight call completed (and was captured)
+    assert [b"inflight" in rec.request for rec in proxy.records()] == [True]
+    upstream.delay_s = 0.0
+    waiting = threading.Thread(target=call, args=("waiting",))
+    waiting.start()
+    time.sleep(0.4)
+    assert "waiting" not in results  # held at the gate, not failed
+    n_before = len(upstream.requests)
+    t_resume = time.monotonic()
+    r = httpx.post(f"{proxy.url}/admin/resume", headers=AUTH, json={"policy_version": 5}).json()
+    assert r == {"paused": False, "policy_version": 5}
+    waiting.join(5)
+    slow.join(5)
+    assert results["waiting_t"] >= t_resume and n_before == 1
+    versions = {(r.header["policy_version"]) for r in proxy.records() if b"waiting" in r.request}
+    assert versions == {5}
+
+
+def test_pause_wait_is_bounded(make_proxy, upstream):
+    proxy = make_proxy([upstream.url], pause_wait_s=0.3)
+    assert httpx.post(f"{proxy.url}/admin/pause", headers=AUTH).json()["drained"] is True
+    client = openai.OpenAI(base_url=proxy.openai_base("r1"), api_key="x", max_retries=0)
+    try:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("expected 503")
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503
+    assert upstream.requests == []
+    assert proxy.records()[0].header["http_status"] == 503
+
+
+def test_policy_version_endpoint(proxy: ProxyHandle, upstream):
+    assert httpx.get(f"{proxy.url}/admin/policy_version", headers=AUTH).json() == {"policy_version": 0}
+    r = httpx.post(f"{proxy.url}/admin/policy_version", headers=AUTH, json={"policy_version": 12})
+    assert r.json() == {"policy_version": 12}
+    assert httpx.post(f"{proxy.url}/admin/policy_version", headers=AUTH, json={"v": 1}).status_code == 400
+    openai.OpenAI(base_url=proxy.openai_base("r1"), api_key="x", max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}]
+    )
+    assert proxy.records()[0].header["policy_version"] == 12
+
+
+def test_python_pause_resume_api(proxy: ProxyHandle, upstream):
+    assert proxy.server.pause(wait_s=1) == {"paused": True, "drained": True, "in_flight": 0}
+    assert httpx.get(f"{proxy.url}/admin/health", headers=AUTH).json()["paused"] is True
+    assert proxy.server.resume(policy_version=9) == {"paused": False, "policy_version": 9}
+    openai.OpenAI(base_url=proxy.openai_base("r1"), api_key="x", max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}]
+    )
+    assert proxy.records()[0].header["policy_version"] == 9
+
+
+def test_pause_reports_undrained_when_a_call_outlives_the_wait(proxy: ProxyHandle, upstream: ScriptedUpstream):
+    upstream.delay_s = 1.0
+    client = openai.OpenAI(base_url=proxy.openai_base("r1"), api_key="x", max_retries=0)
+    t = threading.Thread(
+        target=lambda: client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    )
+    t.start()
+    deadline = time.monotonic() + 10
+    while not upstream.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = httpx.post(f"{proxy.url}/admin/pause", headers=AUTH, json={"wait_s": 0.1}).json()
+    assert r == {"paused": True, "drained": False, "in_flight": 1}
+    httpx.post(f"{proxy.url}/admin/resume", headers=AUTH)
+    t.join(10)
+    assert proxy.records()[0].header["status"] == "ok"

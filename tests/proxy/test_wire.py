@@ -1,0 +1,126 @@
+"""Framing parsers under arbitrary read splits (hypothesis): upstream responses and chunked request bodies."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clawpipe.proxy import wire
+from clawpipe.proxy.routes import prepare_body
+from clawpipe.proxy.upstream import Replica, UpstreamConn
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.status = 0
+        self.body = b""
+        self.ends = 0
+        self.fails: list[BaseException] = []
+
+    def up_head(self, status, headers) -> None:
+        self.status = status
+
+    def up_body(self, data: bytes) -> None:
+        self.body += data
+
+    def up_end(self) -> None:
+        self.ends += 1
+
+    def up_fail(self, exc, got_bytes) -> None:
+        self.fails.append(exc)
+
+
+class _Transport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, pos = [], 0
+    for n in sizes:
+        if pos >= len(body):
+            break
+        piece = body[pos : pos + n]
+        out.append(b"%x;ext=1\r\n%b\r\n" % (len(piece), piece))
+        pos += n
+    if pos < len(body):
+        out.append(b"%x\r\n%b\r\n" % (len(body) - pos, body[pos:]))
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+def _feed(raw: bytes, cuts: list[int]) -> tuple[_Sink, Replica, UpstreamConn]:
+    loop = asyncio.new_event_loop()
+    try:
+        rep = Replica("http://127.0.0.1:9", loop)
+        conn = UpstreamConn(rep)
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        sink = _Sink()
+        conn.send(b"", sink)
+        pos = 0
+        for c in sorted(set(cuts)):
+            if 0 < c < len(raw):
+                conn.data_received(raw[pos:c])
+                pos = c
+        conn.data_received(raw[pos:])
+        return sink, rep, conn
+    finally:
+        loop.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    body=st.binary(min_size=0, max_size=300),
+    sizes=st.lists(st.integers(1, 40), max_size=20),
+    cuts=st.lists(st.integers(0, 2000), max_size=12),
+)
+def test_chunked_upstream_response_survives_any_split(body: bytes, sizes: list[int], cuts: list[int]):
+    raw = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + _chunked(body, sizes)
+    sink, rep, conn = _feed(raw, cuts)
+    assert (sink.status, sink.body, sink.ends, sink.fails) == (200, body, 1, [])
+    assert rep.idle == [conn]  # clean end with keep-alive: back in the pool
+
+
+@settings(max_examples=100, deadline=None)
+@given(body=st.binary(min_size=0, max_size=300), cuts=st.lists(st.integers(0, 500), max_size=8))
+def test_content_length_upstream_response_survives_any_split(body: bytes, cuts: list[int]):
+    raw = b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    sink, rep, _ = _feed(raw, cuts)
+    assert (sink.status, sink.body, sink.ends) == (404, body, 1)
+    assert len(rep.idle) == 1
+
+
+def test_connection_close_response_is_not_pooled():
+    sink, rep, _ = _feed(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok", [])
+    assert sink.body == b"ok" and sink.ends == 1 and rep.idle == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(body=st.binary(max_size=200), sizes=st.lists(st.integers(1, 30), max_size=10), cut=st.integers(0, 400))
+def test_dechunk_request_body(body: bytes, sizes: list[int], cut: int):
+    raw = b"HEAD" + _chunked(body, sizes) + b"NEXT"
+    end_of_body = len(raw) - 4
+    partial = raw[: min(cut, end_of_body - 1)]
+    assert wire.dechunk(partial, 4, 10_000) is None
+    assert wire.dechunk(raw, 4, 10_000) == (body, end_of_body)
+
+
+def test_prepare_body_splices_or_rewrites():
+    body = b' {"model": "m", "messages": []}'
+    out, changes = prepare_body("chat", body, {"model": "m", "messages": []})
+    import json
+
+    assert json.loads(out) == {"model": "m", "messages": [], "return_token_ids": True, "logprobs": True}
+    assert changes == {"added": {"return_token_ids": True, "logprobs": True}}
+    out, changes = prepare_body(
+        "chat", b'{"logprobs": false, "return_token_ids": true}', {"logprobs": False, "return_token_ids": True}
+    )
+    assert json.loads(out) == {"logprobs": True, "return_token_ids": True}
+    assert changes == {"changed": {"logprobs": [False, True]}}
+    assert prepare_body("messages", b"{}", {}) == (b'{"return_token_ids": true}', {"added": {"return_token_ids": True}})
+    same = b'{"return_token_ids": true}'
+    assert prepare_body("responses", same, {"return_token_ids": True}) == (same, {})

@@ -1,0 +1,224 @@
+"""The runner with the process backend: statuses, rewards, durable rows, infra retries, group masks."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clawpipe.capture import read_results
+from clawpipe.errors import ManifestError, SandboxError
+from clawpipe.keys import verify_key
+from clawpipe.sandbox import RolloutSpec, iter_rollouts, load_manifest, masked_groups, run_rollouts
+from clawpipe.sandbox.backends.base import Outcome, SandboxJob
+from clawpipe.sandbox.backends.process import ProcessBackend
+from clawpipe.sandbox.bridge import _RequestCounter
+from clawpipe.sandbox.limits import CgroupLayout
+from clawpipe.sandbox.runner import classify
+from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness
+
+SECRET = b"test-secret"
+
+
+def specs_for(manifest: Any, echo: EchoTaskSet, n: int, **kw: Any) -> list[RolloutSpec]:
+    return [
+        RolloutSpec(run_id="run1", iteration=3, harness=manifest, task=t, model="tiny", **kw) for t in echo.generate(n)
+    ]
+
+
+def run(specs: list[RolloutSpec], upstream: Upstream, tmp_path: Path, echo: EchoTaskSet, **kw: Any) -> list[Any]:
+    opts: dict[str, Any] = {
+        "backend": "process",
+        "concurrency": 4,
+        "results_path": tmp_path / "results.jsonl",
+        "secret": SECRET,
+        "scratch_dir": tmp_path / "scratch",
+        "task_sets": {"echo": echo},
+    }
+    opts.update(kw)
+    return run_rollouts(specs, proxy_url=upstream.url, **opts)
+
+
+def test_chat_harness_rollouts_get_rewards_keys_and_rows(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    m = load_manifest(make_harness(tmp_path, "chat", CHAT_HARNESS))
+    seen: list[int] = []
+    before = len(upstream.calls)
+    results = run(specs_for(m, echo, 3), upstream, tmp_path, echo, progress=lambda r, d, t: seen.append(d))
+    assert [r.status for r in results] == ["succeeded"] * 3
+    assert [r.reward for r in results] == [1.0] * 3 and all(r.n_calls == 1 for r in results)
+    assert seen == [1, 2, 3]
+    calls = upstream.calls[before:]
+    keys = {c["path"].split("/")[2] for c in calls}
+    assert len(keys) == 3  # one key per rollout, carried in the base URL and as the bearer token
+    assert {c["auth"] for c in calls} == {f"Bearer {k}" for k in keys}
+    assert {verify_key(SECRET, k).rollout_id for k in keys} == {r.rollout_id for r in results}
+    rows = [row for _, row, _ in read_results(tmp_path / "results.jsonl")]
+    assert sorted(r["rollout_id"] for r in rows) == sorted(r.rollout_id for r in results)
+    assert rows[0]["run_id"] == "run1" and rows[0]["iteration"] == 3 and rows[0]["backend"] == "process"
+    assert json.loads(rows[0]["reward_info"]) == {"got": "42"}
+
+
+def test_statuses_failed_crashed_timeout_and_stderr_tail(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    fail = load_manifest(
+        make_harness(tmp_path, "fail", "import sys\nsys.stderr.write('boom' * 2000 + 'END')\nsys.exit(3)\n")
+    )
+    crash = load_manifest(make_harness(tmp_path, "crash", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"))
+    slow = load_manifest(make_harness(tmp_path, "slow", "import time\ntime.sleep(60)\n", timeout_s=1))
+    t = echo.generate(3)
+    specs = [
+        RolloutSpec(run_id="r", iteration=0, harness=h, task=t[i], model="m") for i, h in enumerate((fail, crash, slow))
+    ]
+    res = run(specs, upstream, tmp_path, echo)
+    assert [r.status for r in res] == ["failed", "crashed", "timeout"]
+    assert res[0].exit_code == 3 and res[0].stderr_tail.endswith("END") and len(res[0].stderr_tail) == 4000
+    assert res[1].exit_code is None
+    assert all(r.reward == 0.0 for r in res)  # the verifier still scores what is there
+    assert res[2].duration_s < 10
+
+
+class FlakyBackend(ProcessBackend):
+    """Fails to start the sandbox a given number of times per rollout, then works."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.calls: dict[str, int] = {}
+
+    def run(self, job: SandboxJob, bridge: Any) -> Outcome:
+        n = self.calls.get(job.rollout_id, 0) + 1
+        self.calls[job.rollout_id] = n
+        if n <= self.failures:
+            raise SandboxError("sandbox refused to start")
+        return super().run(job, bridge)
+
+
+def test_only_infra_errors_are_retried_and_groups_masked(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    m = load_manifest(make_harness(tmp_path, "fail", "raise SystemExit(1)\n"))
+    res = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend=FlakyBackend(1), max_attempts=3)
+    assert (res[0].status, res[0].attempt) == ("failed", 2)  # retried once for the infra error, not for exit 1
+    task = echo.generate(1)[0]
+    specs = [RolloutSpec(run_id="r", iteration=1, harness=m, task=task, model="m", sample_idx=i) for i in range(2)]
+    res = run(
+        specs, upstream, tmp_path, echo, backend=FlakyBackend(5), max_attempts=2, results_path=tmp_path / "b.jsonl"
+    )
+    assert [(r.status, r.attempt) for r in res] == [("infra_error", 2), ("infra_error", 2)]
+    assert res[0].error == "sandbox refused to start"
+    rows = [row for _, row, _ in read_results(tmp_path / "b.jsonl")]
+    assert masked_groups(rows) == masked_groups(res) == {("r", 1, task["task_id"])}
+
+
+def test_rows_are_on_disk_as_each_rollout_finishes(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    m = load_manifest(make_harness(tmp_path, "quick", "pass\n"))
+    it = iter_rollouts(
+        specs_for(m, echo, 4),
+        proxy_url=upstream.url,
+        backend="process",
+        concurrency=1,
+        results_path=tmp_path / "r.jsonl",
+        secret=SECRET,
+        scratch_dir=tmp_path / "s",
+        task_sets={"echo": echo},
+    )
+    first = next(it)
+    rows = [row for _, row, _ in read_results(tmp_path / "r.jsonl")]
+    assert [r["rollout_id"] for r in rows] == [first.rollout_id]
+    it.close()  # the batch "dies": what finished is kept
+
+
+def test_bad_spec_fails_before_anything_runs(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    m = load_manifest(make_harness(tmp_path, "chat", CHAT_HARNESS))
+    good = specs_for(m, echo, 1)
+    bad_task = RolloutSpec(run_id="r", iteration=0, harness=m, task={"task_set": "echo"}, model="m")
+    before = len(upstream.calls)
+    with pytest.raises(ManifestError, match="rollout 1 task: missing `task_id`"):
+        run([*good, bad_task], upstream, tmp_path, echo)
+    wrong_set = RolloutSpec(run_id="r", iteration=0, harness=m, task={**good[0].task, "task_set": "calc"}, model="m")
+    with pytest.raises(ManifestError, match="supports task sets \\['echo'\\], not 'calc'"):
+        run([*good, wrong_set], upstream, tmp_path, echo)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "harness.toml").write_text('name = "broken"\n')
+    with pytest.raises(ManifestError, match="missing required key `command`"):
+        run(
+            [*good, RolloutSpec(run_id="r", iteration=0, harness="broken", task=good[0].task, model="m")],
+            upstream,
+            tmp_path,
+            echo,
+            harness_dirs=[tmp_path],
+        )
+    assert len(upstream.calls) == before and not (tmp_path / "results.jsonl").exists()
+
+
+def test_planted_symlink_is_scrubbed_before_the_verifier(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    secret_file = tmp_path / "host-secret.txt"
+    secret_file.write_text("42")
+    script = f"import os\nos.symlink({str(secret_file)!r}, os.environ['CLAWPIPE_OUTPUT'] + '/answer.txt')\n"
+    m = load_manifest(make_harness(tmp_path, "plant", script))
+    res = run(specs_for(m, echo, 1), upstream, tmp_path, echo)
+    assert res[0].reward == 0.0
+    assert json.loads(res[0].reward_info) == {"got": None, "scrubbed": ["out/answer.txt"]}
+
+
+def test_classify_and_request_counter() -> None:
+    assert classify(Outcome(exit_code=0)) == "succeeded"
+    assert classify(Outcome(exit_code=1)) == "failed"
+    assert classify(Outcome(signal=9)) == "crashed"
+    assert classify(Outcome(signal=9, oom=True)) == "oom"
+    assert classify(Outcome(timed_out=True, oom=True)) == "timeout"
+    c = _RequestCounter()
+    body = b'{"a": 1}'
+    req = b"POST /r/k/v1/chat/completions HTTP/1.1\r\nContent-Length: 8\r\n\r\n" + body
+    stream = req * 3 + b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n8\r\n" + body + b"\r\n0\r\n\r\n" + req
+    for i in range(0, len(stream), 7):  # arbitrary split points
+        c.feed(stream[i : i + 7])
+    assert c.count == 5
+
+
+def test_missing_ro_path_fails_before_anything_runs(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    d = make_harness(tmp_path / "harnesses", "needs-node", "pass\n")
+    (d / "harness.toml").write_text((d / "harness.toml").read_text() + '[sandbox]\nro_paths = [".node"]\n')
+    m = load_manifest(d)
+    with pytest.raises(ManifestError, match=r"needs .*\.node \(sandbox.ro_paths\) but it does not exist"):
+        run(specs_for(m, echo, 1), upstream, tmp_path, echo)
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+class ProxyDownBackend(ProcessBackend):
+    """Runs the harness, then reports that the bridge could not reach the proxy (as when it dies mid-batch)."""
+
+    def run(self, job: SandboxJob, bridge: Any) -> Outcome:
+        out = super().run(job, bridge)
+        out.proxy_unreachable, out.notes = 1, ["proxy 127.0.0.1:1 unreachable: refused"]
+        return out
+
+
+def test_proxy_down_is_an_infra_error(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    m = load_manifest(make_harness(tmp_path, "fail", "raise SystemExit(1)\n"))
+    res = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend=ProxyDownBackend(), max_attempts=2)
+    assert (res[0].status, res[0].attempt) == ("infra_error", 2)
+    assert "could not reach the proxy" in res[0].error
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    with pytest.raises(SandboxError, match="nothing answers at the proxy"):
+        run_rollouts(
+            specs_for(m, echo, 1),
+            proxy_url=f"http://127.0.0.1:{port}",
+            backend="process",
+            secret=SECRET,
+            results_path=tmp_path / "never.jsonl",
+            scratch_dir=tmp_path / "s",
+            task_sets={"echo": echo},
+        )
+    assert not (tmp_path / "never.jsonl").exists()
+
+
+def test_rlimit_fallback_without_cgroups(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    hog = "chunks = []\nfor _ in range(100):\n    chunks.append(b'x' * (16 << 20))\n"
+    m = load_manifest(make_harness(tmp_path, "hog", hog, resources={"memory_mb": 128}))
+    backend = ProcessBackend(cgroups=CgroupLayout(version=0))  # as where no cgroup is writable
+    res = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend=backend)
+    assert res[0].status == "oom" and res[0].stderr_tail.strip().endswith("MemoryError")

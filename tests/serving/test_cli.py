@@ -1,0 +1,55 @@
+"""The serving room's CLI: `clawpipe model init`, `clawpipe serve --engine vllm --dry-run`, and a real
+`clawpipe serve` subprocess answering the openai SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+from typer.testing import CliRunner
+
+from clawpipe.cli import app
+from clawpipe.serving.policy import load_tokenizer
+from clawpipe.serving.server import start_server_process
+
+
+def test_model_init_writes_a_loadable_policy(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["model", "init", str(tmp_path / "p"), "--size", "tiny", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "p" / "model.safetensors").exists()
+    assert load_tokenizer(tmp_path / "p").eos_token == "<|im_end|>"
+
+
+def test_serve_vllm_dry_run_prints_the_command() -> None:
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--model", "/m/pol", "--port", "9001", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "VLLM_SERVER_DEV_MODE=1" in result.output and "vllm serve /m/pol" in result.output
+    assert "--port 9001" in result.output and "--tool-call-parser hermes" in result.output
+
+
+def test_serve_subprocess_answers_and_stops(policy_dir: Path) -> None:
+    handle = start_server_process(policy_dir, served_name="sub", max_model_len=2048, admin_token="t")
+    try:
+        client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["sub"]
+        r = client.chat.completions.create(model="sub", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert r.model_extra["policy_version"] == 0
+    finally:
+        handle.stop()
+    assert handle._process is not None and handle._process.returncode is not None
+
+
+def test_model_publish_reloads_a_running_server(policy_dir: Path, tmp_path: Path, home: Path) -> None:
+    from clawpipe.config import get_settings
+    from clawpipe.serving.client import server_health
+    from clawpipe.serving.policy import init_policy
+    from clawpipe.serving.server import start_server
+
+    handle = start_server(policy_dir, max_model_len=1024, admin_token=get_settings().admin())
+    try:
+        new = init_policy(tmp_path / "v3", seed=3)
+        result = CliRunner().invoke(app, ["model", "publish", str(new), "--url", handle.url, "--policy-version", "3"])
+        assert result.exit_code == 0, result.output
+        assert "policy_version 3" in result.output and server_health(handle.url)["policy_version"] == 3
+    finally:
+        handle.stop()
