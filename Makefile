@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup os-deps test test-fast lint fmt bench run clean
+.PHONY: setup os-deps cli-harnesses test test-fast lint fmt bench run clean
 
-setup: os-deps $(STAMP)
+setup: os-deps $(STAMP) cli-harnesses
 
 # Reinstall only when the dependency list changes; editable install means code changes need nothing.
 $(STAMP): pyproject.toml
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 
 os-deps:
 	@bash scripts/os_deps.sh
+
+# Real CLI agents (Claude Code, Codex CLI, Qwen Code) from npm into .node/; quick when already there.
+cli-harnesses:
+	@bash scripts/install_cli_harnesses.sh
 
 test: setup
 	$(PY) -m pytest

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -147,6 +148,7 @@ def land_child(captures: str, lake: str) -> None:
 
 
 def run_land(captures: Path, lake: Path) -> dict[str, float]:
+    os.sync()  # flush the freshly written segments first: dirty-page writeback would throttle the lander
     out = subprocess.run(
         [sys.executable, __file__, "--child-land", str(captures), str(lake)],
         check=True,

@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     )
     admin_token: str | None = Field(
         default=None,
-        description="Token for admin endpoints of the proxy and serving engine; stored in <home>/admin_token when unset.",
+        description="Token for the admin endpoints of the proxy and serving engine; "
+        "stored in <home>/admin_token when unset.",
     )
     torch_threads: int = Field(
         default=1, ge=1, description="torch intra-op threads on CPU (1 is fastest on small shared machines)."

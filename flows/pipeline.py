@@ -135,9 +135,19 @@ def train_policy(
 
 
 @task(name="publish_policy", retries=2, retry_delay_seconds=5, timeout_seconds=900)
-def publish_policy(serving_url: str, proxy_url: str, checkpoint: str, policy_version: int) -> int:
+def publish_policy(
+    serving_url: str, proxy_url: str, checkpoint: str, policy_version: int, engine: str, served_dir: str
+) -> int:
     """Reload the serving engine with the new checkpoint; the proxy stamps the new version."""
-    publish(serving_url, proxy_url, get_settings().admin(), Path(checkpoint), policy_version)
+    publish(
+        serving_url,
+        proxy_url,
+        get_settings().admin(),
+        Path(checkpoint),
+        policy_version,
+        engine=engine,
+        served_dir=Path(served_dir),
+    )
     return policy_version
 
 
@@ -159,6 +169,7 @@ def iteration_flow(
     serving_url: str,
     proxy_url: str,
     mlflow_run_id: str,
+    served_dir: str,
 ) -> dict[str, Any]:
     """One iteration: rollout, land, reconstruct, train, publish, evaluate; artifacts and metrics."""
     from clawpipe.tracking import make_tracker
@@ -182,7 +193,9 @@ def iteration_flow(
     )
     out_dir = Path(get_settings().runs_dir) / run_id / "checkpoints"
     trained = train_policy(config, run_id, iteration, policy_dir, str(out_dir), mlflow_run_id)
-    version = publish_policy(serving_url, proxy_url, trained["checkpoint"], int(trained["policy_version"]))
+    version = publish_policy(
+        serving_url, proxy_url, trained["checkpoint"], int(trained["policy_version"]), cfg.engine, served_dir
+    )
     evaluation = None
     last = iteration == cfg.iterations - 1
     if cfg.eval_tasks and (iteration % cfg.eval_every == 0 or last):
@@ -283,6 +296,7 @@ def pipeline(
         admin_token=settings.admin(),
         served_name=cfg.served_name,
         policy_version=state.policy_version,
+        engine=cfg.engine,
     )
     with PeakMemory() as memory, services:
         for iteration in range(state.next_iteration, cfg.iterations):
@@ -296,6 +310,7 @@ def pipeline(
                 services.serving_url,
                 services.proxy_url,
                 state.mlflow_run_id,
+                str(services.policy_dir),
             )
             state.completed.append(summary)
             state.policy_dir, state.policy_version = summary["policy_dir"], summary["policy_version"]

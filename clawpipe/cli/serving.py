@@ -64,8 +64,8 @@ def serve(
     max_tokens_cap: int | None = typer.Option(
         None, "--max-tokens-cap", help="Clamp every request's max_tokens (CPU runs behind chatty harnesses)."
     ),
-    prefix_cache_tokens: int = typer.Option(
-        65536, "--prefix-cache-tokens", help="KV of recent long prompts kept for reuse by later prompts (0: off)."
+    prefix_cache_mb: float = typer.Option(
+        256, "--prefix-cache-mb", help="Memory for KV of recent long prompts, reused by later prompts (0: off)."
     ),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     tool_parser: str = typer.Option("hermes", "--tool-parser", help="vLLM tool-call parser."),
@@ -105,7 +105,7 @@ def serve(
         policy_version=policy_version,
         default_max_tokens=default_max_tokens,
         max_tokens_cap=max_tokens_cap,
-        prefix_cache_tokens=prefix_cache_tokens,
+        prefix_cache_mb=prefix_cache_mb,
     )
 
 

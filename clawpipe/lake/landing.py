@@ -86,6 +86,15 @@ def _num(v: Any, kind: type, what: str) -> Any:
         raise ValueError(f"header {what}={v!r} is not a number") from exc
 
 
+def _text(v: Any) -> str | None:
+    """``v`` for a string column: text as is, JSON for structures, str() for the rest (never a crash at flush)."""
+    if v is None or v.__class__ is str:
+        return v
+    if isinstance(v, dict | list):
+        return orjson.dumps(v).decode()
+    return str(v)
+
+
 def _us(t: Any) -> int | None:
     return None if t is None else int(float(t) * 1_000_000)
 
@@ -275,10 +284,10 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
     part = batch.partition(run_id, iteration)
     if call_id in part.seen:
         return 0
-    api = header.get("api") or ""
+    api = _text(header.get("api")) or ""
     stream = bool(header.get("stream"))
     parsed = parse_response(api, stream, response, http_status=header.get("http_status"))
-    token_source = header.get("token_source")
+    token_source = _text(header.get("token_source"))
     prompt_ids = parsed.prompt_token_ids
     choice_ids: list[Any] = [c.token_ids for c in parsed.choices]
     choice_lps: list[Any] = [c.logprobs for c in parsed.choices]
@@ -298,29 +307,30 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
     if policy_version is None:
         policy_version = parsed.policy_version
     policy_version = _num(policy_version, int, "policy_version")
-    prompt_tokens = parsed.prompt_tokens if parsed.prompt_tokens is not None else None
+    prompt_tokens = _num(parsed.prompt_tokens, int, "usage prompt tokens")
     if prompt_tokens is None and prompt_ids is not None:
         prompt_tokens = len(prompt_ids)
     prompt_arr = _np_or_none(prompt_ids, np.int32)
     changes = _json_or_none(header.get("request_changes"))
-    status, http_status = header.get("status"), _num(header.get("http_status"), int, "http_status")
-    error = header.get("error") or parsed.error
-    model = header.get("model") or parsed.model
+    status, http_status = _text(header.get("status")), _num(header.get("http_status"), int, "http_status")
+    error = _text(header.get("error") or parsed.error)
+    model = _text(header.get("model") or parsed.model)
     t0, t1 = _us(t_start), _us(t_end)
     upstream_ms = _num(header.get("upstream_ms"), float, "upstream_ms")
     seq = _num(header.get("seq"), int, "seq")
-    path = header.get("path")
+    path = _text(header.get("path"))
     rows = part.rows
     for i in range(n_rows):
         choice = parsed.choices[i] if i < len(parsed.choices) else None
         ids = _np_or_none(choice_ids[i] if i < len(choice_ids) else None, np.int32)
         lps = _np_or_none(choice_lps[i] if i < len(choice_lps) else None, np.float32)
         completion_tokens = len(ids) if ids is not None else parsed.completion_tokens if n_rows == 1 else None
+        completion_tokens = _num(completion_tokens, int, "usage completion tokens")
         tools = choice.tool_calls if choice is not None else None
         rows.append(
             (
                 call_id,
-                choice.index if choice is not None else i,
+                _num(choice.index, int, "choice index") if choice is not None else i,
                 run_id,
                 iteration,
                 rollout_id,
@@ -339,7 +349,7 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
                 prompt_arr,
                 ids,
                 lps,
-                choice.finish_reason if choice is not None else None,
+                _text(choice.finish_reason) if choice is not None else None,
                 token_source,
                 prompt_tokens,
                 completion_tokens,

@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 
@@ -256,6 +257,89 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
     return out
 
 
+# Typed fast path for plain chat/completions bodies (the bulk of every lake): msgspec decodes only the
+# fields below and skips the rest (logprob entries' token strings, bytes, top_logprobs) without building
+# Python objects for them: ~40% less time than a generic parse. Anything unexpected falls back.
+
+
+class _LogprobEntry(msgspec.Struct):
+    logprob: float
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_LogprobEntry] | None = None
+    token_logprobs: list[float] | None = None
+
+
+class _Message(msgspec.Struct):
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _OpenAIChoice(msgspec.Struct):
+    index: int = 0
+    finish_reason: str | None = None
+    message: _Message | None = None
+    token_ids: list[int] | None = None
+    logprobs: _Logprobs | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _OpenAIBody(msgspec.Struct):
+    choices: list[_OpenAIChoice] | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType | None = msgspec.UNSET
+    policy_version: int | None = None
+    model: str | None = None
+    usage: _Usage | None = None
+    error: Any = None
+    object: str | None = None
+
+
+_OPENAI_DECODER = msgspec.json.Decoder(_OpenAIBody)
+
+
+def _parse_openai_fast(body: bytes, api: str) -> ParsedCall | None:
+    """Columns of a plain chat/completions body, or None where the generic parser must decide."""
+    cut = _cut_prompt_ids(body) if len(body) > _CUT_MIN_BYTES else None
+    try:
+        r = _OPENAI_DECODER.decode(cut[0] if cut is not None else body)
+    except msgspec.DecodeError:  # includes ValidationError: a shape outside the fast path
+        return None
+    if r.error is not None or r.object == "error" or r.choices is msgspec.UNSET:
+        return None
+    prompt: Any = r.prompt_token_ids
+    if cut is not None:
+        if prompt is not None:  # the cut key was not the top-level one
+            return None
+        prompt = cut[1]
+    elif prompt is msgspec.UNSET:
+        prompt = None
+    parsed = ParsedCall(response=body, prompt_token_ids=prompt, policy_version=r.policy_version, model=r.model)
+    if r.usage is not None:
+        parsed.prompt_tokens, parsed.completion_tokens = r.usage.prompt_tokens, r.usage.completion_tokens
+    choices = []
+    for c in r.choices:
+        lp = c.logprobs
+        values = None
+        if lp is not None:
+            values = [e.logprob for e in lp.content] if lp.content is not None else lp.token_logprobs
+        tools = c.message.tool_calls if api == "chat" and c.message is not None else None
+        choices.append(
+            Choice(
+                index=c.index,
+                token_ids=c.token_ids,
+                logprobs=values,
+                finish_reason=c.finish_reason,
+                tool_calls=_chat_tool_calls({"tool_calls": tools}) if tools else None,
+            )
+        )
+    parsed.choices = choices
+    return parsed
+
+
 # --------------------------------------------------------------------------------------------------
 # Anthropic messages
 
@@ -475,6 +559,10 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
             raise ParseError(f"streamed {api!r} calls are not a known shape")
         parsed.response = orjson.dumps(obj)
     else:
+        if api in ("chat", "completions") and not failed_http:
+            fast = _parse_openai_fast(body, api)
+            if fast is not None:
+                return fast
         try:
             cut = _cut_prompt_ids(body) if len(body) > _CUT_MIN_BYTES else None
             if cut is not None:

@@ -51,7 +51,7 @@ class PipelineConfig(BaseModel):
     eval_tasks: int = Field(
         default=4, ge=0, description="Held-out tasks per harness evaluated greedily each iteration."
     )
-    eval_every: int = Field(default=1, ge=1, description="Evaluate every N iterations (and after the last).")
+    eval_every: int = Field(default=5, ge=1, description="Evaluate every N iterations (and after the last).")
     seed: int = Field(default=0, description="Seed of task sampling and the default policy.")
     backend: Literal["bwrap", "docker", "process"] = Field(default="bwrap", description="Sandbox backend.")
     concurrency: int = Field(default=8, ge=1, le=1024, description="Sandboxes running at once (global limit).")
@@ -63,7 +63,10 @@ class PipelineConfig(BaseModel):
     served_name: str = Field(default="clawpipe-policy", description="Model name harnesses ask for.")
     rollout_timeout_s: float | None = Field(default=None, gt=0, description="Override of each manifest's timeout.")
     train: dict[str, Any] = Field(
-        default_factory=dict, description="Trainer settings (clawpipe.train config fields), validated by the trainer."
+        # Tuned for the tiny policy on CPU: a high learning rate and an entropy bonus (NOTES.md: plain GRPO
+        # collapses onto one answer), two optimizer epochs per batch. Measured: guess reward x8.8 in 10 iterations.
+        default_factory=lambda: {"learning_rate": 0.006, "entropy_coef": 0.02, "epochs": 2},
+        description="Trainer settings (clawpipe.train TrainConfig fields), validated before the run starts.",
     )
 
     @field_validator("run_name", "experiment", "served_name")
@@ -81,6 +84,12 @@ class PipelineConfig(BaseModel):
         if self.samples < 2:
             raise ValueError("samples: GRPO needs at least 2 rollouts per group to compare")
         return self
+
+    def train_config(self) -> Any:
+        """The trainer's validated config (imports clawpipe.train.config: pydantic only, no torch)."""
+        from clawpipe.train.config import TrainConfig
+
+        return TrainConfig.model_validate(self.train)
 
 
 def _format(exc: ValidationError, source: str) -> str:
@@ -106,6 +115,11 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> PipelineCon
         source = str(p)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return PipelineConfig.model_validate(data)
+        cfg = PipelineConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format(exc, source)) from exc
+    try:
+        cfg.train_config()
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, f"{source}, table train")) from exc
+    return cfg

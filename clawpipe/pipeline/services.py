@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ class Services:
     admin_token: str
     served_name: str = "clawpipe-policy"
     policy_version: int = 0
+    engine: str = "local"  # local | vllm
     serve_args: list[str] = field(default_factory=list)
     serving_url: str = ""
     proxy_url: str = ""
@@ -54,11 +56,20 @@ class Services:
         self.serving_url = f"http://127.0.0.1:{serve_port}"
         self.proxy_url = f"http://127.0.0.1:{proxy_port}"
         cli = [sys.executable, "-m", "clawpipe"]
+        if self.engine == "vllm":
+            # vLLM reloads by copying weights into the directory it serves: serve a run-local copy so the
+            # initial policy is never overwritten.
+            served = self.log_dir.parent / "served"
+            if not served.exists():
+                shutil.copytree(self.policy_dir, served)
+            self.policy_dir = served
         self._spawn(
             "serving",
             [
                 *cli,
                 "serve",
+                "--engine",
+                self.engine,
                 "--model",
                 str(self.policy_dir),
                 "--port",
@@ -118,7 +129,15 @@ class Services:
         raise ServingError(f"{name} did not answer at {url} within {timeout:.0f}s; see {self.log_dir}/{name}.log")
 
     def publish(self, checkpoint: Path, policy_version: int) -> None:
-        publish(self.serving_url, self.proxy_url, self.admin_token, checkpoint, policy_version)
+        publish(
+            self.serving_url,
+            self.proxy_url,
+            self.admin_token,
+            checkpoint,
+            policy_version,
+            engine=self.engine,
+            served_dir=self.policy_dir,
+        )
         self.policy_version = policy_version
 
     def health(self) -> dict[str, Any]:
@@ -157,11 +176,42 @@ def _admin(url: str, token: str, body: dict[str, Any] | None = None, timeout: fl
     return dict(r.json())
 
 
-def publish(serving_url: str, proxy_url: str, admin_token: str, checkpoint: Path, policy_version: int) -> None:
+def publish(
+    serving_url: str,
+    proxy_url: str,
+    admin_token: str,
+    checkpoint: Path,
+    policy_version: int,
+    *,
+    engine: str = "local",
+    served_dir: Path | None = None,
+) -> None:
     """Pause the proxy (new calls wait, in-flight drain), reload the engine, resume with the new version."""
     _admin(f"{proxy_url}/admin/pause", admin_token)
     try:
-        _admin(f"{serving_url}/admin/reload", admin_token, {"path": str(checkpoint), "policy_version": policy_version})
+        if engine == "vllm":
+            cmd = [
+                sys.executable,
+                "-m",
+                "clawpipe",
+                "model",
+                "publish",
+                str(checkpoint),
+                "--engine",
+                "vllm",
+                "--url",
+                serving_url,
+                "--served-dir",
+                str(served_dir),
+                "--policy-version",
+                str(policy_version),
+            ]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ServingError(f"vLLM reload failed: {done.stderr[-2000:]}")
+        else:
+            body = {"path": str(checkpoint), "policy_version": policy_version}
+            _admin(f"{serving_url}/admin/reload", admin_token, body)
     finally:
         _admin(f"{proxy_url}/admin/resume", admin_token, {"policy_version": policy_version})
     log.info("published policy_version=%d from %s", policy_version, checkpoint)

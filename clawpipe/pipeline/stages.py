@@ -233,10 +233,18 @@ def train(
     """One training step in its own process; returns {checkpoint, policy_version, metrics}.
 
     With ``mlflow_run_id`` the trainer logs its config and per-step metrics into that (the pipeline's) run.
+    Harnesses whose manifest sets ``[training] exclude_side_calls = true`` train only on their main lineage
+    (``exclude_side_calls_harnesses``), unless ``train.exclude_side_calls_harnesses`` is set in the config.
     """
+    from clawpipe.sandbox.manifest import find_harness
+
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "train.toml"
-    config_path.write_text(_toml(cfg.train))
+    train_values = dict(cfg.train)
+    if "exclude_side_calls_harnesses" not in train_values:
+        names = dict.fromkeys(h.name for h in cfg.harnesses)
+        train_values["exclude_side_calls_harnesses"] = [n for n in names if find_harness(n).exclude_side_calls]
+    config_path.write_text(_toml(train_values))
     metrics_path = out_dir / f"metrics-{iteration}.json"
     cmd = [
         sys.executable,

@@ -79,6 +79,8 @@ class _Request:
     queue: asyncio.Queue[Any]
     cancelled: bool = False
     policy_version: int | None = None
+    held: list[TokenEvent] = field(default_factory=list)  # non-streamed: events delivered once, at the end
+    finished: int = 0
 
     @property
     def reserve(self) -> int:
@@ -110,7 +112,7 @@ class Engine:
         max_model_len: int | None = None,
         policy_version: int = 0,
         served_name: str | None = None,
-        prefix_cache_tokens: int = 65536,
+        prefix_cache_mb: float = 256,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.tokenizer = policy.load_tokenizer(model_dir)
@@ -135,7 +137,7 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self.stats = {"steps": 0, "tokens": 0, "requests": 0, "max_rows": 0, "prefix_hit_tokens": 0}
-        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20 // self.kv_bytes_per_token()))
         self._thread = threading.Thread(target=self._run, name="clawpipe-engine", daemon=True)
         self._thread.start()
 
@@ -153,6 +155,14 @@ class Engine:
         if isinstance(end, int) and end != self.tokenizer.unk_token_id:
             ids.add(end)
         return sorted(ids)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        item = next(self.model.parameters()).element_size()
+        return int(cfg.num_hidden_layers * 2 * kv_heads * head_dim * item)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError when the request can never be served (context, max_tokens, budget, values)."""
@@ -471,7 +481,13 @@ class Engine:
             ev = TokenEvent(row.index, tid, lp, text, row.finish, row.detok.stopped_on)
             events.setdefault(id(row.request), (row.request, []))[1].append(ev)
         for req, evs in events.values():
-            self._post(req, evs)
+            req.finished += sum(1 for ev in evs if ev.finish_reason is not None)
+            if req.params.stream:
+                self._post(req, evs)
+            else:  # one wake-up per request instead of one per token: the consumer only needs the result
+                req.held.extend(evs)
+                if req.finished == req.params.n:
+                    self._post(req, req.held)
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if r.finish is None and not r.request.cancelled]

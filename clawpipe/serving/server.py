@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy-version", type=int, default=0)
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--max-tokens-cap", type=int)
-    p.add_argument("--prefix-cache-tokens", type=int, default=65536)
+    p.add_argument("--prefix-cache-mb", type=float, default=256)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_server(
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         policy_version=a.policy_version,
         default_max_tokens=a.default_max_tokens,
         max_tokens_cap=a.max_tokens_cap,
-        prefix_cache_tokens=a.prefix_cache_tokens,
+        prefix_cache_mb=a.prefix_cache_mb,
     )
 
 

@@ -137,6 +137,13 @@ class TrainConfig(BaseModel):
     include_retokenized: bool = Field(
         False, description="Also train on calls whose ids were re-encoded by the proxy (token_source=retokenized)."
     )
+    exclude_side_calls_harnesses: list[str] = Field(
+        default_factory=list,
+        description="Rollouts of these harnesses train only on their main lineage: calls under a 'subagent' branch "
+        "of the rollout tree (side calls such as titles or memory extraction, and sub-agents) are dropped and "
+        "counted (load/side_calls_excluded). Needs rollout-scope trees. The pipeline fills it from the harness "
+        "manifests' [training] exclude_side_calls.",
+    )
 
     # --- device ----------------------------------------------------------------------------------------------
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda or cuda:N.")

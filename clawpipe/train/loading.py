@@ -2,7 +2,9 @@
 
 The trees give the packed layout; each trainable call (ok, upstream token ids) is located in its rollout's
 tree as a root-to-token path (CONTRACTS E: every call's sequence is one such path). Calls the trees left out
-(retokenized, side calls, failed) find no path and are counted, never trained silently.
+(retokenized, failed) find no path and are counted, never trained silently. For the harnesses listed in
+``exclude_side_calls_harnesses``, calls in a side lineage of their rollout tree (sql/train/side_calls.sql:
+titles, memory extraction, sub-agents) are dropped first and counted as ``side_calls_excluded``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ def load_trees(
             sql_text("train/calls"), params={**params, "include_retokenized": config.include_retokenized}
         ).to_arrow_table()
         rolls = con.sql(sql_text("train/rollouts"), params=params).to_arrow_table()
+        side: set[tuple[str, int]] = set()
+        rollout_trees = True
+        if config.exclude_side_calls_harnesses:
+            rows = con.execute(
+                sql_text("train/side_calls"), {**params, "harnesses": list(config.exclude_side_calls_harnesses)}
+            ).fetchall()
+            side = {(call_id, int(choice or 0)) for call_id, choice in rows}
+            built = con.execute(sql_text("train/rollout_trees"), params).fetchone()
+            rollout_trees = bool(built and built[0])
     except Exception as exc:  # duckdb errors: missing columns, unreadable files
         raise LakeError(f"cannot read training data for run {run_id} iteration {iteration}: {exc}") from exc
     finally:
@@ -43,6 +54,11 @@ def load_trees(
         raise TrainingError(
             f"no {config.tree_scope} trees for run {run_id} iteration {iteration} in {lake_root}: "
             f"build them first (`clawpipe trees build --run {run_id} --iteration {iteration}`)"
+        )
+    if not rollout_trees:
+        raise TrainingError(
+            f"exclude_side_calls_harnesses needs the rollout-scope trees of run {run_id} iteration {iteration}: "
+            f"build them (`clawpipe trees build --run {run_id} --iteration {iteration}`) or empty the list"
         )
     stats: dict[str, float] = defaultdict(float)
     skip = set(config.skip_statuses)
@@ -62,7 +78,11 @@ def load_trees(
     stats["rollouts_skipped_status"] = len(skipped_rollouts)
 
     calls_by_rollout: dict[str, list[dict]] = defaultdict(list)
+    stats["side_calls_excluded"] = 0
     for c in calls.to_pylist():
+        if side and (c["call_id"], int(c["choice_index"] or 0)) in side:
+            stats["side_calls_excluded"] += 1
+            continue
         calls_by_rollout[c["rollout_id"]].append(c)
 
     trees: list[TrainTree] = []

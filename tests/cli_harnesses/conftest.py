@@ -1,12 +1,9 @@
-"""Fixtures for the real-CLI-harness tests: the CLIs installed (idempotent script), a scripted upstream."""
+"""Fixtures for the real-CLI-harness tests: the three CLIs installed (by the idempotent install script)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.cli_harnesses.scripted_upstream import ScriptedUpstream
 from tests.cli_harnesses.support import ensure_installed
 
 
@@ -14,9 +11,3 @@ from tests.cli_harnesses.support import ensure_installed
 def cli_installed() -> None:
     """The three CLIs under .node/ (make setup installs them; this only checks, or installs if missing)."""
     ensure_installed()
-
-
-@pytest.fixture
-def upstream() -> Iterator[ScriptedUpstream]:
-    with ScriptedUpstream(model="tiny") as up:
-        yield up

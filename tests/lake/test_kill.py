@@ -77,7 +77,7 @@ def test_sigkill_at_an_arbitrary_moment(tmp_path: Path) -> None:
         time.sleep(0.005)
     assert proc.poll() is None, "the landing finished before it could be killed: give it more work"
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     before = run_sql(lake, "select count(*) from model_calls").column(0)[0].as_py()
     assert 0 < before < n

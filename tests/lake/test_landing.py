@@ -166,3 +166,22 @@ def test_records_of_unexpected_shapes_are_rejected_not_fatal(tmp_path: Path) -> 
     rep = land(cap, lake)
     assert (rep.calls, rep.rejects) == (1, 5)
     assert _count(lake, "select count(*) from rejects where source = 'w-1'") == 5
+
+
+def test_odd_header_and_usage_types_are_coerced_or_rejected_never_fatal(tmp_path: Path) -> None:
+    cap, lake = tmp_path / "cap", tmp_path / "lake"
+    body = json.loads(fx.response_body("chat", False))
+    body["choices"][0]["finish_reason"] = 7
+    body["usage"]["prompt_tokens"] = "4"
+    odd = {**fx.header(call_id="odd"), "error": {"code": 1}, "model": 3, "api": "chat"}
+    bad_ids = json.loads(fx.response_body("chat", False))
+    bad_ids["choices"][0]["token_ids"] = ["x", "y", "z"]
+    frames = [
+        capture.encode_record(odd, b"{}", json.dumps(body).encode()),
+        capture.encode_record(fx.header(call_id="bad-ids"), b"{}", json.dumps(bad_ids).encode()),
+    ]
+    fx.write_segment(cap / "o-1.seg", frames)
+    rep = land(cap, lake)
+    assert (rep.calls, rep.rejects) == (1, 1)
+    row = run_sql(lake, "select error, model, finish_reason, prompt_tokens from model_calls").to_pylist()[0]
+    assert row == {"error": '{"code":1}', "model": "3", "finish_reason": "7", "prompt_tokens": 4}

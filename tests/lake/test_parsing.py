@@ -263,3 +263,40 @@ def test_large_prompt_fast_path_matches_the_plain_parse() -> None:
     p = parse_response("messages", False, nested)
     assert p.prompt_token_ids is None
     assert json.loads(p.choices[0].tool_calls[0]["function"]["arguments"])["prompt_token_ids"] == [9, 9]
+
+
+def test_typed_fast_path_agrees_with_the_generic_parser() -> None:
+    import orjson
+
+    from clawpipe.lake.parse import ParsedCall, _parse_openai_fast, parse_openai
+
+    completions_legacy = {
+        "object": "text_completion",
+        "prompt_token_ids": [1],
+        "choices": [
+            {
+                "index": 0,
+                "text": "ab",
+                "finish_reason": "length",
+                "token_ids": [5, 6],
+                "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.5]},
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2},
+    }
+    bodies = [
+        ("chat", fx.response_body("chat", False, fx.Completion(tool=("f", {"x": [1, 2]}), finish="tool_calls"))),
+        ("completions", fx.response_body("completions", False)),
+        ("completions", json.dumps(completions_legacy).encode()),
+        ("chat", json.dumps({"object": "chat.completion", "choices": []}).encode()),
+    ]
+    for api, body in bodies:
+        fast = _parse_openai_fast(body, api)
+        assert fast is not None, body
+        slow = ParsedCall(response=body)
+        parse_openai(orjson.loads(body), api, slow)
+        assert fast == slow, api
+    # shapes outside the fast path are left to the generic parser
+    assert _parse_openai_fast(b'{"object": "error", "message": "x"}', "chat") is None
+    assert _parse_openai_fast(b'{"choices": [{"message": {"tool_calls": "oops"}}]}', "chat") is None
+    assert _parse_openai_fast(b'{"error": {"message": "x"}}', "chat") is None

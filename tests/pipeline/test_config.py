@@ -34,6 +34,8 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         ("iterations = 0", "iterations"),
         ("bogus = 1", "bogus"),
         ('[[harnesses]]\nname = "x"\n', "harnesses.0.task_set"),
+        ("train = { learning_rate = -1.0 }", "learning_rate"),
+        ('train = { algorithm = "dpo" }', "algorithm"),
     ],
 )
 def test_invalid_config_names_the_field(tmp_path: Path, toml: str, field: str) -> None:

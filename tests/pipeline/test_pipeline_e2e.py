@@ -25,7 +25,6 @@ pytestmark = [pytest.mark.slow]
 
 BASE = """
 experiment = "e2e"
-eval_tasks = 1
 groups = 2
 samples = 2
 concurrency = 4
@@ -70,7 +69,7 @@ def _lake(home: Path):
 @pytest.mark.sandbox
 def test_two_harness_pipeline_in_bwrap(home: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "a.toml"
-    cfg.write_text(BASE.format(extra='run_name = "a"\niterations = 2\nbackend = "bwrap"'))
+    cfg.write_text(BASE.format(extra='run_name = "a"\niterations = 2\nbackend = "bwrap"\neval_tasks = 1'))
     summary_path = tmp_path / "a.json"
     _run(["run", "--config", str(cfg), "--summary-out", str(summary_path)], home)
     summary = json.loads(summary_path.read_text())
@@ -104,13 +103,15 @@ def test_retries_and_resume_leave_exactly_once_data(home: Path, tmp_path: Path) 
     cfg = tmp_path / "b.toml"
     cfg.write_text(BASE.format(extra='run_name = "b"\niterations = 2\nbackend = "process"\neval_tasks = 0'))
     env = _env(home, CLAWPIPE_INJECT_FAULTS="rollout_batch@0,land_batch@0,reconstruct_batch@0")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clawpipe", "run", "--config", str(cfg)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    log_path = tmp_path / "b.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clawpipe", "run", "--config", str(cfg)],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     runs = home / "runs"
     state_path = None
     deadline = time.monotonic() + 600
@@ -121,7 +122,7 @@ def test_retries_and_resume_leave_exactly_once_data(home: Path, tmp_path: Path) 
         if state_path:
             break
         time.sleep(0.5)
-    assert state_path is not None, proc.stdout.read().decode()[-4000:] if proc.stdout else ""
+    assert state_path is not None, log_path.read_text()[-4000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the whole run: flow, engine, proxy, sandboxes
     proc.wait()
     run_id = state_path.parent.name

@@ -72,10 +72,14 @@ def test_n_greater_than_one_returns_n_choices(client: openai.OpenAI) -> None:
         )
     )
     by_index: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
     for c in streamed:
         for ch in c.choices:
             by_index.setdefault(ch.index, []).extend((ch.model_extra or {}).get("token_ids", []))
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
     assert [tuple(by_index[i]) for i in range(3)] == seqs  # same seed, same samples, streamed or not
+    # incremental text (partial UTF-8 held back) adds up to the non-streamed text
+    assert [texts[i] for i in range(3)] == [c.message.content for c in r.choices]
 
 
 def test_chat_tool_call_round_trip(client: openai.OpenAI) -> None:

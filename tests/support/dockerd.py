@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def engine_answers(host: str | None) -> bool:
@@ -40,8 +41,19 @@ class PrivateDockerd:
         dockerd = shutil.which("dockerd")
         if dockerd is None:
             raise RuntimeError("dockerd not found: apt-get install -y docker.io (make setup does this as root)")
-        log = open(self.root / "dockerd.log", "wb")
-        self.proc = subprocess.Popen(
+        with open(self.root / "dockerd.log", "wb") as log:
+            self.proc = self._spawn(dockerd, log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dockerd exited: {(self.root / 'dockerd.log').read_text()[-2000:]}")
+            if engine_answers(self.host):
+                return self.host
+            time.sleep(0.2)
+        raise RuntimeError(f"dockerd did not answer in {timeout}s: {(self.root / 'dockerd.log').read_text()[-2000:]}")
+
+    def _spawn(self, dockerd: str, log: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [
                 dockerd,
                 "--iptables=false",
@@ -57,14 +69,6 @@ class PrivateDockerd:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dockerd exited: {(self.root / 'dockerd.log').read_text()[-2000:]}")
-            if engine_answers(self.host):
-                return self.host
-            time.sleep(0.2)
-        raise RuntimeError(f"dockerd did not answer in {timeout}s: {(self.root / 'dockerd.log').read_text()[-2000:]}")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -1,0 +1,176 @@
+-- Side calls to leave out of training (TrainConfig.exclude_side_calls_harnesses): the call x choice rows of
+-- rollouts whose harness is listed in `$harnesses` that lie in a side lineage of the ROLLOUT-scope tree.
+--
+-- A side call (a title, a memory extraction, a sub-agent) diverges from the main trajectory in context
+-- tokens (another system prompt), and the tree builder labels that branch 'subagent'. The builder labels
+-- every child of a fork but the one with the EARLIEST call, so a side call made before the first main call
+-- (a title request racing the first turn) gets the main lineage labelled 'subagent' instead. The main
+-- lineage of a fork is therefore chosen here among its lineages (the unlabelled child and its 'subagent'
+-- siblings), in this order:
+--   1. the lineage holding both the first and the last call of the fork (interleaved sub-agents, side
+--      calls in the middle: the main trajectory starts and ends the rollout);
+--   2. the lineage with the most calls (a title call before or a memory extraction after a multi-turn
+--      trajectory);
+--   3. the lineage with the longest sequence (the agent's prompt carries its tools), then the one holding
+--      the latest call.
+-- Every call in the other lineages of the fork is a side call. Nodes are numbered in preorder, so the
+-- subtree of node n is [n, first later node with depth <= depth(n)). A call sits at its first generated
+-- node; a call that generated no node of its own (an identical sample of an earlier call with the same
+-- prompt) sits where the calls with its prompt do: a 'subagent' node is context, inside every prompt
+-- passing through it.
+with runs as (
+    select
+        rollout_id,
+        harness
+    from rollouts
+    where run_id = $run_id and iteration = $iteration
+    qualify row_number() over (partition by rollout_id order by attempt desc nulls last) = 1
+),
+
+listed as (
+    select
+        rollout_id,
+        'rollout:' || rollout_id as tree_id
+    from runs
+    where list_contains($harnesses, harness)
+),
+
+nodes as (
+    select
+        listed.rollout_id,
+        tree_nodes.tree_id,
+        tree_nodes.node_id,
+        tree_nodes.parent_id,
+        tree_nodes.depth,
+        tree_nodes.generated,
+        tree_nodes.call_id,
+        tree_nodes.choice_index,
+        tree_nodes.branch_cause
+    from tree_nodes
+    inner join listed on tree_nodes.tree_id = listed.tree_id
+    where tree_nodes.run_id = $run_id and tree_nodes.iteration = $iteration and tree_nodes.scope = 'rollout'
+),
+
+forks as (
+    select distinct
+        tree_id,
+        parent_id
+    from nodes
+    where branch_cause = 'subagent'
+),
+
+lineages as (
+    select
+        child.rollout_id,
+        child.tree_id,
+        child.parent_id as fork,
+        child.node_id,
+        coalesce(
+            (
+                select min(later.node_id)
+                from nodes as later
+                where later.tree_id = child.tree_id and later.node_id > child.node_id and later.depth <= child.depth
+            ),
+            2147483647
+        ) as node_end
+    from nodes as child
+    inner join forks on child.tree_id = forks.tree_id and child.parent_id = forks.parent_id
+    where child.branch_cause is null or child.branch_cause = 'subagent'
+),
+
+calls as (
+    select
+        model_calls.call_id,
+        model_calls.choice_index,
+        model_calls.rollout_id,
+        model_calls.prompt_token_ids,
+        len(model_calls.prompt_token_ids) + len(model_calls.completion_token_ids) as n_tokens,
+        row_number() over (
+            partition by model_calls.rollout_id
+            order by model_calls.seq nulls last, model_calls.t_start nulls last, model_calls.call_id,
+                model_calls.choice_index
+        ) as call_rank
+    from model_calls
+    inner join listed on model_calls.rollout_id = listed.rollout_id
+    where model_calls.run_id = $run_id and model_calls.iteration = $iteration
+),
+
+owned as (
+    select
+        call_id,
+        choice_index,
+        min(node_id) as node_id
+    from nodes
+    where generated and call_id is not null
+    group by call_id, choice_index
+),
+
+placed as (
+    select
+        calls.*,
+        coalesce(
+            owned.node_id, min(owned.node_id) over (partition by calls.rollout_id, calls.prompt_token_ids)
+        ) as node_id
+    from calls
+    left join owned on calls.call_id = owned.call_id and calls.choice_index = owned.choice_index
+),
+
+members as (
+    select
+        lineages.tree_id,
+        lineages.fork,
+        lineages.node_id as lineage,
+        placed.call_id,
+        placed.choice_index,
+        placed.call_rank,
+        placed.n_tokens
+    from lineages
+    inner join placed
+        on
+            lineages.rollout_id = placed.rollout_id
+            and placed.node_id >= lineages.node_id
+            and placed.node_id < lineages.node_end
+),
+
+scored as (
+    select
+        tree_id,
+        fork,
+        lineage,
+        count(*) as n_calls,
+        max(n_tokens) as longest,
+        min(call_rank) as first_rank,
+        max(call_rank) as last_rank
+    from members
+    group by tree_id, fork, lineage
+),
+
+spans as (
+    select
+        *,
+        (
+            first_rank = min(first_rank) over (partition by tree_id, fork)
+            and last_rank = max(last_rank) over (partition by tree_id, fork)
+        ) as spans_fork
+    from scored
+),
+
+picked as (
+    select
+        tree_id,
+        fork,
+        lineage,
+        row_number() over (
+            partition by tree_id, fork
+            order by spans_fork desc, n_calls desc, longest desc, last_rank desc
+        ) as pick
+    from spans
+)
+
+select distinct
+    members.call_id,
+    members.choice_index
+from members
+inner join picked using (tree_id, fork, lineage)
+where picked.pick > 1
+order by members.call_id, members.choice_index
