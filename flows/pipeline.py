@@ -337,9 +337,16 @@ def final_summary(state: RunState, seconds: float) -> dict[str, Any]:
         lines.append(f"| {s['iteration']} | {s['reward_mean']:.3f} | {ev} | {per} |")
     first = its[0]["reward_mean"] if its else 0.0
     last = its[-1]["reward_mean"] if its else 0.0
+    tail = [s["reward_mean"] for s in its[-3:]]
+    last3 = sum(tail) / len(tail) if tail else 0.0
+
+    def ratio(x: float) -> str:
+        return f"x{x / first:.2f}" if first else "x inf"
+
     md = (
         f"# clawpipe run {state.run_id}\n\n" + "\n".join(lines) + "\n\n"
-        f"reward first {first:.3f} -> last {last:.3f} (x{(last / first) if first else float('inf'):.2f}); "
+        f"reward first {first:.3f} -> last {last:.3f} ({ratio(last)}; mean of the last 3 iterations "
+        f"{last3:.3f}, {ratio(last3)}); "
         f"policy_version {state.policy_version}; peak memory of all processes {state.peak_memory_mb:.0f} MB; "
         f"{seconds:.0f} s. MLflow run {state.mlflow_run_id}.\n"
     )
@@ -347,6 +354,7 @@ def final_summary(state: RunState, seconds: float) -> dict[str, Any]:
         "run_id": state.run_id,
         "first_reward": first,
         "last_reward": last,
+        "last3_reward": last3,
         "iterations": its,
         "peak_memory_mb": state.peak_memory_mb,
         "mlflow_run_id": state.mlflow_run_id,

@@ -39,9 +39,10 @@ def run(
 ) -> None:
     """Run the main job (the embedded default needs nothing running beforehand)."""
     from clawpipe.pipeline.config import load_config
+    from clawpipe.pipeline.stages import check_prerequisites
 
-    if not resume:
-        load_config(config, iterations=iterations, backend=backend)  # fail before anything starts
+    if not resume:  # fail before anything starts: config, harnesses, task sets, sandbox tool
+        check_prerequisites(load_config(config, iterations=iterations, backend=backend))
     cmd = [sys.executable, "-m", "flows.pipeline"]
     for flag, value in (
         ("--config", config),

@@ -74,6 +74,24 @@ def _logprob_values(lp: Any) -> list[float] | None:
     return None
 
 
+def _read_top_fields(obj: dict[str, Any], parsed: ParsedCall) -> None:
+    """The top-level fields every API's response carries (CONTRACTS A): prompt ids, policy version, model."""
+    parsed.prompt_token_ids = obj.get("prompt_token_ids")
+    parsed.policy_version = obj.get("policy_version")
+    parsed.model = obj.get("model")
+
+
+def _only_choice(obj: dict[str, Any], finish: str | None, tools: list[dict[str, Any]]) -> Choice:
+    """The one choice of a Messages or Responses body (these APIs have no ``n``): ids and logprobs at top level."""
+    return Choice(
+        index=0,
+        token_ids=obj.get("token_ids"),
+        logprobs=_logprob_values(obj.get("logprobs")),
+        finish_reason=finish,
+        tool_calls=tools or None,
+    )
+
+
 def _error_text(err: Any) -> str:
     if isinstance(err, dict):
         msg = err.get("message") or err.get("type") or err.get("code")
@@ -171,9 +189,7 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
     if "error" in obj and not obj.get("choices"):
         parsed.error = _error_text(obj["error"])
         return
-    parsed.prompt_token_ids = obj.get("prompt_token_ids")
-    parsed.policy_version = obj.get("policy_version")
-    parsed.model = obj.get("model")
+    _read_top_fields(obj, parsed)
     _usage_openai(parsed, obj.get("usage"))
     parsed.choices = [_openai_choice(c, api) for c in obj.get("choices") or ()]
 
@@ -348,9 +364,7 @@ def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
     if obj.get("type") == "error" or ("error" in obj and "content" not in obj):
         parsed.error = _error_text(obj.get("error"))
         return
-    parsed.prompt_token_ids = obj.get("prompt_token_ids")
-    parsed.policy_version = obj.get("policy_version")
-    parsed.model = obj.get("model")
+    _read_top_fields(obj, parsed)
     _usage_anthropic(parsed, obj.get("usage"))
     tools = [
         {
@@ -362,15 +376,8 @@ def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
         if b.get("type") == "tool_use"
     ]
     stop = obj.get("stop_reason")
-    parsed.choices = [
-        Choice(
-            index=0,
-            token_ids=obj.get("token_ids"),
-            logprobs=_logprob_values(obj.get("logprobs")),
-            finish_reason=_MESSAGES_STOP.get(stop, stop) if isinstance(stop, str) else None,
-            tool_calls=tools or None,
-        )
-    ]
+    finish = _MESSAGES_STOP.get(stop, stop) if isinstance(stop, str) else None
+    parsed.choices = [_only_choice(obj, finish, tools)]
 
 
 def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -434,9 +441,7 @@ def parse_responses(obj: dict[str, Any], parsed: ParsedCall) -> None:
         parsed.error = _error_text(obj["error"])
         if "output" not in obj:
             return
-    parsed.prompt_token_ids = obj.get("prompt_token_ids")
-    parsed.policy_version = obj.get("policy_version")
-    parsed.model = obj.get("model")
+    _read_top_fields(obj, parsed)
     _usage_anthropic(parsed, obj.get("usage"))
     tools = [
         {
@@ -458,15 +463,7 @@ def parse_responses(obj: dict[str, Any], parsed: ParsedCall) -> None:
         finish = "error"
     else:
         finish = status
-    parsed.choices = [
-        Choice(
-            index=0,
-            token_ids=obj.get("token_ids"),
-            logprobs=_logprob_values(obj.get("logprobs")),
-            finish_reason=finish,
-            tool_calls=tools or None,
-        )
-    ]
+    parsed.choices = [_only_choice(obj, finish, tools)]
 
 
 def reassemble_responses_stream(events: list[dict[str, Any]]) -> dict[str, Any]:

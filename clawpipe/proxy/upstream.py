@@ -95,18 +95,7 @@ class UpstreamConn(asyncio.Protocol):
             self._buf = b""
         state = self._state
         if state == _LENGTH:
-            n = len(data)
-            if n < self._left:
-                self._left -= n
-                sink.up_body(data)
-                return
-            if n > self._left:
-                self.abort()
-                sink.up_fail(UpstreamClosed("upstream sent more bytes than its content-length"), True)
-                return
-            self._left = 0
-            sink.up_body(data)
-            self._finish()
+            self.data_received_body(data)
             return
         if state == _UNTIL_CLOSE:
             sink.up_body(data)
@@ -146,7 +135,7 @@ class UpstreamConn(asyncio.Protocol):
         self._chunked(data)
 
     def data_received_body(self, data: bytes) -> None:
-        """Body bytes after the head in the same read (content-length framing)."""
+        """Body bytes under content-length framing (a read of its own, or the rest of the head's read)."""
         sink = self.sink
         assert sink is not None
         n = len(data)

@@ -19,6 +19,8 @@ from clawpipe.errors import ManifestError
 from clawpipe.sandbox.limits import Limits
 
 MANIFEST_NAME = "harness.toml"
+KIT_NAME = "_kit"  # the shared harness library: a folder beside the harness folders (no manifest, never listed)
+KIT_ENV = "CLAWPIPE_HARNESS_KIT"  # where the runner tells a harness the kit is (harnesses/_kit/README.md)
 APIS = ("openai", "anthropic")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -38,6 +40,7 @@ RESERVED_ENV = frozenset(
         "HOME",
         "PATH",
         "CLAWPIPE_TIMEOUT_S",
+        KIT_ENV,
     }
 )
 _TOP_KEYS = {
@@ -75,6 +78,15 @@ class HarnessManifest:
     env: Mapping[str, str] = field(default_factory=dict)
     exclude_side_calls: bool = False
     ro_paths: tuple[Path, ...] = ()  # extra host paths bound read-only at the same path (e.g. a node install)
+
+    @property
+    def kit_dir(self) -> Path | None:
+        """The shared harness library beside this harness's folder (``<harnesses>/_kit``), if there is one.
+
+        The backends bind it read-only (at INNER_KIT in sandboxes) and name it in $CLAWPIPE_HARNESS_KIT.
+        """
+        kit = self.dir.parent / KIT_NAME
+        return kit if kit.is_dir() else None
 
     def resolve_command(self, harness_root: str | Path) -> list[str]:
         """The argv with relative paths that name files in the harness folder rewritten under ``harness_root``.

@@ -23,13 +23,9 @@ class MessagesRoutes(Routes):
     async def messages(self, body: dict[str, Any]) -> Response:
         messages, tools = convert.anthropic_messages(body)
         prompt = self.render(messages, tools)
-        params = convert.sampling(
-            body,
-            self.max_tokens(convert.int_field(body, "max_tokens"), len(prompt)),
-            self.options.default_max_tokens,
-            convert.stop_list(body.get("stop_sequences")),
+        params = self.build_params(
+            body, prompt, convert.int_field(body, "max_tokens"), convert.stop_list(body.get("stop_sequences"))
         )
-        self.engine.check(prompt, params)
         mid, model = f"msg_{new_id('', 12)}", body.get("model") or self.engine.served_name
         if body.get("stream"):
             return self.sse_response(self._messages_stream(prompt, params, bool(tools), mid, model))

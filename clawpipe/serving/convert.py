@@ -39,6 +39,13 @@ def _text_of(content: Any, where: str) -> str:
     raise RequestError(f"{where}: content must be a string or a list of content parts")
 
 
+def _system_messages(body: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """A one-element list holding the system message of a top-level text field (Responses ``instructions``,
+    Anthropic ``system``), or an empty list when the body has none: the start of the template messages."""
+    text = body.get(key)
+    return [] if text is None else [{"role": "system", "content": _text_of(text, key)}]
+
+
 def _json_args(value: Any, where: str) -> str:
     if value is None:
         return "{}"
@@ -181,10 +188,7 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
 
 def responses_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(template messages, template tools) of a Responses body (instructions, input items, function tools)."""
-    messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        messages.append({"role": "system", "content": _text_of(instructions, "instructions")})
+    messages = _system_messages(body, "instructions")
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
@@ -237,10 +241,7 @@ def responses_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list
 
 def anthropic_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(template messages, template tools) of an Anthropic Messages body, as Claude Code sends it."""
-    messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system is not None:
-        messages.append({"role": "system", "content": _text_of(system, "system")})
+    messages = _system_messages(body, "system")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects")

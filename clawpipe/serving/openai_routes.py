@@ -24,14 +24,13 @@ class ChatRoutes(Routes):
         messages, tools = convert.chat_messages(body)
         prompt = self.render(messages, tools)
         n = convert.int_field(body, "n") or 1
-        params = convert.sampling(
+        params = self.build_params(
             body,
-            self.max_tokens(convert.int_field(body, "max_completion_tokens", "max_tokens"), len(prompt)),
-            self.options.default_max_tokens,
+            prompt,
+            convert.int_field(body, "max_completion_tokens", "max_tokens"),
             convert.stop_list(body.get("stop")),
             n,
         )
-        self.engine.check(prompt, params)
         want_ids = True  # always: the proxy asks for ids, and SDK clients ignore extra fields
         want_lp = bool(body.get("logprobs")) or bool(body.get("return_token_ids"))
         rid, created, model = (
@@ -170,14 +169,9 @@ class ChatRoutes(Routes):
     async def completions(self, body: dict[str, Any]) -> Response:
         prompt = self._completion_prompt(body.get("prompt"))
         n = convert.int_field(body, "n") or 1
-        params = convert.sampling(
-            body,
-            self.max_tokens(convert.int_field(body, "max_tokens"), len(prompt)),
-            self.options.default_max_tokens,
-            convert.stop_list(body.get("stop")),
-            n,
+        params = self.build_params(
+            body, prompt, convert.int_field(body, "max_tokens"), convert.stop_list(body.get("stop")), n
         )
-        self.engine.check(prompt, params)
         want_lp = body.get("logprobs") is not None or bool(body.get("return_token_ids"))
         rid, created, model = f"cmpl-{new_id('', 12)}", int(time.time()), body.get("model") or self.engine.served_name
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}

@@ -23,13 +23,7 @@ class ResponsesRoutes(Routes):
     async def responses(self, body: dict[str, Any]) -> Response:
         messages, tools = convert.responses_messages(body)
         prompt = self.render(messages, tools)
-        params = convert.sampling(
-            body,
-            self.max_tokens(convert.int_field(body, "max_output_tokens"), len(prompt)),
-            self.options.default_max_tokens,
-            [],
-        )
-        self.engine.check(prompt, params)
+        params = self.build_params(body, prompt, convert.int_field(body, "max_output_tokens"), [])
         skeleton = {
             "id": f"resp_{new_id('', 12)}",
             "object": "response",

@@ -1,5 +1,5 @@
 """Shared parts of the HTTP routes: server options, per-choice accumulation (with tool-call holdback while
-streaming), SSE framing, error bodies, and the steps every API takes (render, max_tokens, run, reload)."""
+streaming), SSE framing, error bodies, and the steps every API takes (render, max_tokens, build_params, run, reload)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from clawpipe.errors import ServingError
+from clawpipe.serving import convert
 from clawpipe.serving.engine import Engine, RequestError, SamplingParams, TokenEvent
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
 
@@ -113,6 +114,16 @@ class Routes:
         if self.options.max_tokens_cap is not None:
             requested = min(requested, self.options.max_tokens_cap)
         return requested
+
+    def build_params(
+        self, body: dict[str, Any], prompt: list[int], max_tokens: int | None, stop: list[str], n: int = 1
+    ) -> SamplingParams:
+        """The request's sampling parameters, capped and checked against the engine together with its prompt."""
+        params = convert.sampling(
+            body, self.max_tokens(max_tokens, len(prompt)), self.options.default_max_tokens, stop, n
+        )
+        self.engine.check(prompt, params)
+        return params
 
     def lp_entries(self, choice: Choice, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
         return self.engine.table.logprob_entries(choice.token_ids[start:end], choice.logprobs[start:end])

@@ -131,13 +131,24 @@ def _admin_token(token: str | None) -> str:
     return get_settings().admin()
 
 
-def _engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], ServeOptions]:
+def _open_engine(
+    model_dir: str | Path, host: str, port: int, kwargs: dict[str, Any]
+) -> tuple[Engine, ServeOptions, socket.socket]:
+    """The engine, the route options (admin token resolved) and a socket bound to host:port, for one server.
+
+    kwargs: Engine options plus ServeOptions (admin_token, default_max_tokens, max_tokens_cap).
+    """
+    engine_kwargs = dict(kwargs)
     opts = ServeOptions(
-        admin_token=kwargs.pop("admin_token", None),
-        default_max_tokens=kwargs.pop("default_max_tokens", 256),
-        max_tokens_cap=kwargs.pop("max_tokens_cap", None),
+        admin_token=_admin_token(engine_kwargs.pop("admin_token", None)),
+        default_max_tokens=engine_kwargs.pop("default_max_tokens", 256),
+        max_tokens_cap=engine_kwargs.pop("max_tokens_cap", None),
     )
-    return kwargs, opts
+    engine = Engine(model_dir, **engine_kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return engine, opts, sock
 
 
 def start_server(model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1", **kwargs: Any) -> ServerHandle:
@@ -146,12 +157,7 @@ def start_server(model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1
     kwargs: Engine options (device, max_batch, kv_budget_tokens, policy_version, served_name, ...) and
     ServeOptions (admin_token, default_max_tokens, max_tokens_cap).
     """
-    engine_kwargs, opts = _engine_kwargs(dict(kwargs))
-    opts.admin_token = _admin_token(opts.admin_token)
-    engine = Engine(model_dir, **engine_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    engine, opts, sock = _open_engine(model_dir, host, port, kwargs)
     config = uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off", access_log=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="clawpipe-serve", daemon=True)
@@ -164,7 +170,9 @@ def start_server(model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1
         time.sleep(0.01)
     url = f"http://{host}:{sock.getsockname()[1]}"
     log.info("serving model=%s url=%s", engine.served_name, url)
-    return ServerHandle(url=url, admin_token=opts.admin_token, engine=engine, _server=server, _thread=thread)
+    return ServerHandle(
+        url=url, admin_token=_admin_token(opts.admin_token), engine=engine, _server=server, _thread=thread
+    )
 
 
 def start_server_process(
@@ -201,12 +209,7 @@ def run_server(
     **kwargs: Any,
 ) -> None:
     """Serve until interrupted (the CLI's `clawpipe serve`); writes {"url": ...} to ready_file once listening."""
-    engine_kwargs, opts = _engine_kwargs(dict(kwargs))
-    opts.admin_token = _admin_token(opts.admin_token)
-    engine = Engine(model_dir, **engine_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    engine, opts, sock = _open_engine(model_dir, host, port, kwargs)
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off"))
 

@@ -10,16 +10,17 @@ after every turn. Exit 0 on a finished episode (garbage included), 1 when the mo
 task file or an unsupported task set.
 """
 
-import ast
 import json
-import operator
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import openai
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, os.environ.get("CLAWPIPE_HARNESS_KIT") or str(HERE.parent / "_kit"))  # harnesses/_kit/README.md
+import harness_kit as kit  # noqa: E402
 
 NAME = "tool-agent"
 SYSTEMS = {
@@ -27,7 +28,6 @@ SYSTEMS = {
     "guess": "You are playing a number guessing game. Use the guess tool.",
     "fixit": "You fix Python programs. Use the tools to read and write files and to run the check.",
 }
-DIGITS = re.compile(r"[0-9]+")
 
 
 def tool(name: str, description: str, properties: dict, required: list) -> dict:
@@ -66,97 +66,7 @@ TOOLS = {
 DEFAULT_MAX_TOKENS = {"calc": 64, "guess": 32, "fixit": 1024}
 
 
-def load_task() -> dict:
-    try:
-        task = json.loads(Path(os.environ["CLAWPIPE_TASK"]).read_text())
-        assert isinstance(task, dict) and isinstance(task.get("data"), dict)
-        return task
-    except (KeyError, OSError, ValueError, AssertionError) as exc:
-        print(f"{NAME}: cannot read the task from CLAWPIPE_TASK: {exc!r}", file=sys.stderr)
-        sys.exit(2)
-
-
-class Transcript:
-    """The record the verifier reads; rewritten atomically after every turn so a kill loses at most one."""
-
-    def __init__(self, task: dict) -> None:
-        out = Path(os.environ.get("CLAWPIPE_OUTPUT") or "out")
-        out.mkdir(parents=True, exist_ok=True)
-        self.path = out / "transcript.json"
-        self.data = {
-            "harness": NAME,
-            "task_id": task.get("task_id"),
-            "turns": [],
-            "final": None,
-            "n_calls": 0,
-            "status": "running",
-            "error": None,
-        }
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data))
-        os.replace(tmp, self.path)
-
-
-def sampling(task: dict, default_max_tokens: int) -> dict:
-    s = task.get("sampling") if isinstance(task.get("sampling"), dict) else {}
-    kw = {"temperature": float(s.get("temperature", 1.0)), "max_tokens": int(s.get("max_tokens", default_max_tokens))}
-    if "top_p" in s:
-        kw["top_p"] = float(s["top_p"])
-    return kw
-
-
 # --- the environment's tools ---------------------------------------------------------------------------
-
-OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
-
-
-def calculate(expression: str) -> str:
-    """Safe arithmetic: numbers, + - * / // % ** and parentheses."""
-
-    def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and type(node.op) in OPS:
-            return OPS[type(node.op)](ev(node.operand))
-        if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and (abs(right) > 16 or abs(left) > 1e6):
-                raise ValueError("exponent too large")
-            return OPS[type(node.op)](left, right)
-        raise ValueError(f"unsupported element {type(node).__name__}")
-
-    if len(expression) > 200:
-        return "error: expression too long"
-    try:
-        value = ev(ast.parse(expression.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, TypeError) as exc:
-        return f"error: {exc}"
-    return str(int(value)) if float(value).is_integer() else repr(value)
-
-
-def judge(text: str, data: dict) -> tuple[str, str]:
-    """(outcome, feedback) for one guess: the first integer in it; outcome is "won", "lost" or "play"."""
-    lo, hi, target = data["lo"], data["hi"], data["target"]
-    m = DIGITS.search(text)
-    guess = int(m.group()[:9]) if m else None
-    if guess is None or not lo <= guess <= hi:
-        return "lost", f"No number from {lo} to {hi}. Game over."
-    if guess == target:
-        return "won", "Correct!"
-    return "play", "Higher." if guess < target else "Lower."
 
 
 def inside_workdir(path: str) -> Path:
@@ -195,9 +105,9 @@ def parse_arguments(raw: object) -> dict | None:
 # --- the loop ------------------------------------------------------------------------------------------
 
 
-def run_episode(client: openai.OpenAI, model: str, task: dict, rec: Transcript) -> None:
+def run_episode(client: openai.OpenAI, model: str, task: dict, rec: kit.Transcript) -> None:
     kind = task["task_set"]
-    kw = sampling(task, DEFAULT_MAX_TOKENS[kind])
+    kw = kit.sampling(task, DEFAULT_MAX_TOKENS[kind])
     messages = [{"role": "system", "content": SYSTEMS[kind]}, {"role": "user", "content": task["prompt"]}]
     rec.data["status"] = "max_turns"
     for turn in range(int(task.get("max_turns", 4))):
@@ -214,7 +124,7 @@ def run_episode(client: openai.OpenAI, model: str, task: dict, rec: Transcript) 
                 rec.data["status"] = "done"
                 rec.save()
                 return
-            outcome, feedback = judge(text, task["data"])
+            outcome, feedback = kit.judge(text, task["data"])
             record["feedback"] = feedback
             rec.save()
             if outcome != "play":
@@ -244,13 +154,13 @@ def run_episode(client: openai.OpenAI, model: str, task: dict, rec: Transcript) 
             if args is None:
                 result = "error: arguments must be a JSON object"
             elif kind == "calc" and name == "calculator":
-                result = calculate(str(args.get("expression", "")))
+                result = kit.calculate(str(args.get("expression", "")))
             elif kind == "guess" and name == "guess":
                 if "answer" in record:
                     result = "One guess per turn."
                 else:
                     record["answer"] = str(args.get("number", ""))
-                    outcome, result = judge(record["answer"], task["data"])
+                    outcome, result = kit.judge(record["answer"], task["data"])
             elif kind == "fixit":
                 result = run_fixit_tool(name, args)
             else:
@@ -266,27 +176,8 @@ def run_episode(client: openai.OpenAI, model: str, task: dict, rec: Transcript) 
 
 
 def main() -> int:
-    task = load_task()
-    if task.get("task_set") not in TOOLS:
-        print(f"{NAME}: task set {task.get('task_set')!r} is not supported (use {sorted(TOOLS)})", file=sys.stderr)
-        return 2
-    rec = Transcript(task)
-    client = openai.OpenAI(
-        base_url=os.environ.get("OPENAI_BASE_URL"),
-        api_key=os.environ.get("OPENAI_API_KEY") or "none",
-        max_retries=0,
-        timeout=float(os.environ.get("CLAWPIPE_REQUEST_TIMEOUT") or 60),
-    )
-    model = os.environ.get("CLAWPIPE_MODEL") or os.environ.get("OPENAI_MODEL") or "default"
-    try:
-        run_episode(client, model, task, rec)
-    except openai.OpenAIError as exc:
-        rec.data.update(status="error", error=f"{type(exc).__name__}: {exc}"[:1000])
-        rec.save()
-        print(f"{NAME}: model API failed: {rec.data['error']}", file=sys.stderr)
-        return 1
-    rec.save()
-    return 0
+    plays = {kind: run_episode for kind in TOOLS}
+    return kit.run(NAME, "openai", plays, openai.OpenAI, openai.OpenAIError)
 
 
 if __name__ == "__main__":

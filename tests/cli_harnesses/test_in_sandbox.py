@@ -199,6 +199,7 @@ def test_qwen_memory_side_call_lands_as_its_own_lineage(
     with a memory-extraction call under the same model name: captured like any call, its own lineage."""
     variant = tmp_path / "harnesses" / "qwen-code"
     shutil.copytree(REPO / "harnesses" / "qwen-code", variant)
+    shutil.copytree(REPO / "harnesses" / "_kit", variant.parent / "_kit")  # the shared launcher sits beside it
     cli = (variant / "cli.toml").read_text()
     assert "enableManagedAutoMemory = false" in cli
     (variant / "cli.toml").write_text(cli.replace("enableManagedAutoMemory = false", "enableManagedAutoMemory = true"))

@@ -70,7 +70,8 @@ def test_manifest_is_complete(name: str) -> None:
     assert {"memory_mb", "cpus", "pids"} <= set(spec["resources"])
     source = (HARNESSES / name / spec["command"][1]).read_text()
     assert "clawpipe" not in source.split('"""', 2)[2].replace("CLAWPIPE_", ""), "a harness never imports clawpipe"
-    assert "max_retries=0" in source
+    assert 'os.environ.get("CLAWPIPE_HARNESS_KIT")' in source and "kit.run(" in source
+    assert '"max_retries": 0,' in (HARNESSES / "_kit" / "harness_kit.py").read_text(), "a retry is a second call"
 
 
 # --- guess ---------------------------------------------------------------------------------------------

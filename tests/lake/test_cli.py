@@ -29,6 +29,13 @@ def _populate(home: Path, with_rollouts: bool = True) -> None:
         fx.write_results(cap, [fx.rollout_row("r0", reward=0.75)])
 
 
+def _run_sql(query: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m clawpipe sql QUERY` in a real subprocess (so DuckDB's message reaches stderr)."""
+    return subprocess.run(
+        [sys.executable, "-m", "clawpipe", "sql", query], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
 def test_land_then_query_in_every_format(home: Path, tmp_path: Path) -> None:
     _populate(home)
     runner = CliRunner()
@@ -62,22 +69,10 @@ def test_sql_errors_exit_non_zero_with_duckdbs_message(home: Path) -> None:
     _populate(home)
     env = {**os.environ, "CLAWPIPE_HOME": str(home)}
     assert CliRunner().invoke(app, ["land"]).exit_code == 0
-    bad = subprocess.run(
-        [sys.executable, "-m", "clawpipe", "sql", "select nope from model_calls"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    bad = _run_sql("select nope from model_calls", env)
     assert bad.returncode != 0
     assert 'Binder Error: Referenced column "nope" not found' in bad.stderr
-    write = subprocess.run(
-        [sys.executable, "-m", "clawpipe", "sql", "drop view model_calls"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    write = _run_sql("drop view model_calls", env)
     assert write.returncode != 0 and "read-only" in write.stderr
     runner = CliRunner()
     assert runner.invoke(app, ["sql", "--saved", "nope"]).exit_code != 0

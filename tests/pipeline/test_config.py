@@ -76,3 +76,17 @@ def test_summarize_results_counts_failures_as_zero() -> None:
     s = summarize_results(rows)
     assert s["by_harness"] == {"a": {"n": 2, "reward_mean": 0.5}}
     assert s["statuses"] == {"succeeded": 1, "timeout": 1, "infra_error": 1}
+
+
+def test_missing_sandbox_tool_names_the_fix(tmp_path: Path) -> None:
+    env = {"PATH": str(tmp_path), "CLAWPIPE_HOME": str(tmp_path / "home")}  # no bwrap on this PATH
+    out = subprocess.run(
+        [sys.executable, "-m", "clawpipe", "run", "--iterations", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2
+    assert "apt-get install -y bubblewrap" in out.stderr and "backend" in out.stderr
+    assert not (tmp_path / "home" / "runs").exists()  # nothing started

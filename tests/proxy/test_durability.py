@@ -41,7 +41,10 @@ def test_rotation_by_age_while_running(make_proxy, upstream):
     proxy = make_proxy([upstream.url], segment_max_age_s=0.3)
     _chat(proxy.openai_base("r1"), 1)
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not list(proxy.capture_dir.glob("*.seg")):
+    # rotation renames the old segment, then opens the next one: wait for both steps
+    while time.monotonic() < deadline and not (
+        list(proxy.capture_dir.glob("*.seg")) and list(proxy.capture_dir.glob("*.open"))
+    ):
         time.sleep(0.05)
     (seg,) = proxy.capture_dir.glob("*.seg")
     assert [r.header["rollout_id"] for r in capture.read_segment(seg)] == ["r1"]

@@ -356,6 +356,18 @@ class _Build:
             out["prompt_token_ids"] = self.prompt_ids
         return out
 
+    def _openai_whole(self, rid: str, obj: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """A non-streamed OpenAI body (chat.completion or text_completion) around ``choices``."""
+        return {
+            "id": rid,
+            "object": obj,
+            "created": 0,
+            "model": model,
+            "choices": choices,
+            "usage": self._usage(),
+            **self._top(),
+        }
+
     # --- non-stream --------------------------------------------------------------------------------------
     def whole(self) -> dict[str, Any]:
         model = self.req.get("model") or self.up.model
@@ -370,29 +382,13 @@ class _Build:
                 {"index": i, "message": msg, "finish_reason": self.finish, **self._ids_extra(self.ids)}
                 for i in range(self.n)
             ]
-            return {
-                "id": f"chatcmpl-{self.k}",
-                "object": "chat.completion",
-                "created": 0,
-                "model": model,
-                "choices": choices,
-                "usage": self._usage(),
-                **self._top(),
-            }
+            return self._openai_whole(f"chatcmpl-{self.k}", "chat.completion", model, choices)
         if self.api == "completions":
             choices = [
                 {"index": i, "text": self.answer.text, "finish_reason": self.finish, **self._ids_extra(self.text_ids)}
                 for i in range(self.n)
             ]
-            return {
-                "id": f"cmpl-{self.k}",
-                "object": "text_completion",
-                "created": 0,
-                "model": model,
-                "choices": choices,
-                "usage": self._usage(),
-                **self._top(),
-            }
+            return self._openai_whole(f"cmpl-{self.k}", "text_completion", model, choices)
         if self.api == "messages":
             content: list[dict[str, Any]] = []
             if self.answer.text:

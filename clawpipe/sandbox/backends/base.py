@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from clawpipe.errors import ConfigError
-from clawpipe.sandbox.bridge import Bridge
-from clawpipe.sandbox.limits import Limits
-from clawpipe.sandbox.manifest import HarnessManifest
+from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.sandbox.bridge import Bridge, Route
+from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_rlimits
+from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest
 
 SANDBOX_UID = 65534  # nobody
 SANDBOX_GID = 65534
 INNER_WORKDIR = "/workdir"
 INNER_TASK = "/task.json"
 INNER_HARNESS = "/harness"
+INNER_KIT = "/harness-kit"  # the shared harness library (manifest.kit_dir), read-only, when there is one
 BACKENDS = ("bwrap", "docker", "process")
 
 
@@ -112,8 +113,14 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def harness_env(job: SandboxJob, *, port: int, workdir: str, task_path: str, path_dirs: list[str]) -> dict[str, str]:
-    """The complete environment of a harness (CONTRACTS C): declared variables plus the runner's own."""
+def harness_env(
+    job: SandboxJob, *, port: int, workdir: str, task_path: str, path_dirs: list[str], kit_path: str = INNER_KIT
+) -> dict[str, str]:
+    """The complete environment of a harness (CONTRACTS C): declared variables plus the runner's own.
+
+    ``kit_path`` is where the harness sees the shared harness library; it is exported as
+    $CLAWPIPE_HARNESS_KIT only when the harness has one (``job.manifest.kit_dir``).
+    """
     base = f"http://127.0.0.1:{port}/r/{job.key}"
     env = {"LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": "/tmp"}
     env.update(job.manifest.env)  # declared variables may override the defaults above, not what follows
@@ -134,6 +141,8 @@ def harness_env(job: SandboxJob, *, port: int, workdir: str, task_path: str, pat
             "CLAWPIPE_TIMEOUT_S": str(job.timeout_s),
         }
     )
+    if job.manifest.kit_dir is not None:
+        env[KIT_ENV] = kit_path
     return env
 
 
@@ -165,6 +174,51 @@ def decode_wait_status(returncode: int) -> tuple[int | None, int | None]:
     if returncode < 0:
         return None, -returncode
     return returncode, None
+
+
+def decode_shell_status(code: int) -> tuple[int | None, int | None]:
+    """(exit_code, signal) from a shell-style status (bwrap's, a container's): above 128 = killed by code - 128."""
+    if code > 128:
+        return None, code - 128
+    return code, None
+
+
+def confine(pid: int, job: SandboxJob, layout: CgroupLayout) -> Cgroup:
+    """Put ``pid`` (not yet running the harness) into a new cgroup with the job's limits; rlimits stand in for
+    the controllers the cgroup lacks. Raises SandboxError when the cgroup cannot be set up.
+
+    The caller owns the returned cgroup: it reaps it with :func:`reap_cgroup` and removes it.
+    """
+    cgroup = None
+    try:
+        try:
+            cgroup = Cgroup(job.unique_name("clawpipe"), job.limits, layout)
+            cgroup.add(pid)
+            missing = {"memory", "cpu", "pids"} - cgroup.controllers
+        except OSError as exc:
+            raise SandboxError(f"cgroup setup failed for {job.rollout_id}: {exc}") from exc
+        if missing:
+            apply_rlimits(pid, job.limits, missing, job.timeout_s)
+    except BaseException:
+        if cgroup is not None:
+            cgroup.remove()  # kills whatever got in, then removes the group
+        raise
+    return cgroup
+
+
+def reap_cgroup(cgroup: Cgroup, out: Outcome) -> None:
+    """Kill whatever is left in a sandbox's cgroup and record in ``out`` whether its limits were hit."""
+    cgroup.kill_all()
+    out.oom = cgroup.oom_killed()
+    out.pids_limited = cgroup.pids_limited()
+
+
+def detach_route(bridge: Bridge, route: Route, out: Outcome) -> None:
+    """Record in ``out`` what passed through a sandbox's route, then stop forwarding it."""
+    out.requests = route.requests
+    out.notes.extend(route.errors)
+    out.proxy_unreachable = route.unreachable
+    bridge.detach(route)
 
 
 def get_backend(name: str, **options: object) -> Backend:

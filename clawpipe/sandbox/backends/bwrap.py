@@ -26,6 +26,7 @@ from pathlib import Path
 from clawpipe.errors import SandboxError
 from clawpipe.sandbox.backends.base import (
     INNER_HARNESS,
+    INNER_KIT,
     INNER_TASK,
     INNER_WORKDIR,
     SANDBOX_GID,
@@ -33,11 +34,15 @@ from clawpipe.sandbox.backends.base import (
     Outcome,
     PythonEnv,
     SandboxJob,
+    confine,
+    decode_shell_status,
+    detach_route,
     harness_env,
+    reap_cgroup,
     wait_for_exit,
 )
 from clawpipe.sandbox.bridge import Bridge, listen_in_netns
-from clawpipe.sandbox.limits import Cgroup, CgroupLayout, apply_rlimits, detect_cgroups, sweep_stale_cgroups
+from clawpipe.sandbox.limits import Cgroup, CgroupLayout, detect_cgroups, sweep_stale_cgroups
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +171,8 @@ class BwrapBackend:
             args += _mkdirs_args(p, made)
             args += ["--ro-bind", str(p), str(p)]
         args += ["--ro-bind", str(job.manifest.dir), INNER_HARNESS]
+        if job.manifest.kit_dir is not None:
+            args += ["--ro-bind", str(job.manifest.kit_dir), INNER_KIT]
         args += ["--bind", str(job.workdir), INNER_WORKDIR, "--chdir", INNER_WORKDIR]
         args += ["--ro-bind", str(job.task_path), INNER_TASK]
         args += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
@@ -207,14 +214,7 @@ class BwrapBackend:
             os.close(block_r)
             info_w = block_r = -1
             child = self._read_child_pid(info_r, proc, job)
-            try:
-                cgroup = Cgroup(job.unique_name("clawpipe"), job.limits, self.cgroups)
-                cgroup.add(child)
-                missing = {"memory", "cpu", "pids"} - cgroup.controllers
-            except OSError as exc:
-                raise SandboxError(f"cgroup setup failed for {job.rollout_id}: {exc}") from exc
-            if missing:
-                apply_rlimits(child, job.limits, missing, job.timeout_s)
+            cgroup = confine(child, job, self.cgroups)
             route = bridge.attach(listen_in_netns(child, self.inner_port))
             os.write(block_w, b"1")
             out.setup_ms = (time.monotonic() - t0) * 1000
@@ -223,17 +223,11 @@ class BwrapBackend:
                 out.timed_out = True
                 self._kill(child, proc, cgroup)
                 rc = proc.wait()
-            if cgroup is not None:
-                cgroup.kill_all()  # pid 1 gone means the namespace is gone; this is belt and braces
-                out.oom = cgroup.oom_killed()
-                out.pids_limited = cgroup.pids_limited()
+            reap_cgroup(cgroup, out)  # pid 1 gone means the namespace is gone; this is belt and braces
             if not out.timed_out:
                 if rc == 1:
                     self._raise_if_setup_failed(job)
-                if rc > 128:
-                    out.signal = rc - 128
-                else:
-                    out.exit_code = rc
+                out.exit_code, out.signal = decode_shell_status(rc)
             return out
         except SandboxError:
             raise
@@ -244,10 +238,7 @@ class BwrapBackend:
                 proc.kill()
                 proc.wait()
             if route is not None:
-                out.requests = route.requests
-                out.notes.extend(route.errors)
-                out.proxy_unreachable = route.unreachable
-                bridge.detach(route)
+                detach_route(bridge, route, out)
             if cgroup is not None:
                 cgroup.remove()
             for fd in (info_r, info_w, block_r, block_w):

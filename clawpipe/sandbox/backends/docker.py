@@ -31,6 +31,7 @@ import requests.exceptions
 from clawpipe.errors import SandboxError
 from clawpipe.sandbox.backends.base import (
     INNER_HARNESS,
+    INNER_KIT,
     INNER_TASK,
     INNER_WORKDIR,
     SANDBOX_GID,
@@ -38,6 +39,8 @@ from clawpipe.sandbox.backends.base import (
     Outcome,
     PythonEnv,
     SandboxJob,
+    decode_shell_status,
+    detach_route,
     harness_env,
 )
 from clawpipe.sandbox.bridge import Bridge, listen_in_netns
@@ -147,6 +150,8 @@ class DockerBackend:
         for p in [*self.python.mounts(), *job.manifest.ro_paths]:
             vols[str(p)] = {"bind": str(p), "mode": "ro"}
         vols[str(job.manifest.dir)] = {"bind": INNER_HARNESS, "mode": "ro"}
+        if job.manifest.kit_dir is not None:
+            vols[str(job.manifest.kit_dir)] = {"bind": INNER_KIT, "mode": "ro"}
         vols[str(job.task_path)] = {"bind": INNER_TASK, "mode": "ro"}
         vols[str(job.workdir)] = {"bind": INNER_WORKDIR, "mode": "rw"}
         return vols
@@ -227,18 +232,12 @@ class DockerBackend:
             out.oom = bool(state.get("OOMKilled"))
             code = int((status or {}).get("StatusCode", state.get("ExitCode", -1)))
             if not out.timed_out:
-                if code > 128:
-                    out.signal = code - 128
-                else:
-                    out.exit_code = code
+                out.exit_code, out.signal = decode_shell_status(code)
             self._save_logs(container, job)
             return out
         finally:
             if route is not None:
-                out.requests = route.requests
-                out.notes.extend(route.errors)
-                out.proxy_unreachable = route.unreachable
-                bridge.detach(route)
+                detach_route(bridge, route, out)
             for c in (container, holder):
                 if c is not None:
                     try:

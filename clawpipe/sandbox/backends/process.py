@@ -20,12 +20,15 @@ from clawpipe.sandbox.backends.base import (
     Outcome,
     PythonEnv,
     SandboxJob,
+    confine,
     decode_wait_status,
+    detach_route,
     harness_env,
+    reap_cgroup,
     wait_for_exit,
 )
 from clawpipe.sandbox.bridge import Bridge, listen_on_host
-from clawpipe.sandbox.limits import Cgroup, CgroupLayout, apply_rlimits, detect_cgroups, sweep_stale_cgroups
+from clawpipe.sandbox.limits import Cgroup, CgroupLayout, detect_cgroups, sweep_stale_cgroups
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class ProcessBackend:
                 workdir=str(job.workdir),
                 task_path=str(job.task_path),
                 path_dirs=[str(self.python.bin)],
+                kit_path=str(job.manifest.kit_dir),
             )
             argv = job.manifest.resolve_command(job.manifest.dir)
             # A shell gate holds the harness until it is in its cgroup, so no descendant escapes the limits.
@@ -70,14 +74,7 @@ class ProcessBackend:
                 )
             os.close(gate_r)
             gate_r = -1
-            try:
-                cgroup = Cgroup(job.unique_name("clawpipe"), job.limits, self.cgroups)
-                cgroup.add(proc.pid)
-                missing = {"memory", "cpu", "pids"} - cgroup.controllers
-            except OSError as exc:
-                raise SandboxError(f"cgroup setup failed for {job.rollout_id}: {exc}") from exc
-            if missing:
-                apply_rlimits(proc.pid, job.limits, missing, job.timeout_s)
+            cgroup = confine(proc.pid, job, self.cgroups)
             os.write(gate_w, b"go\n")
             out.setup_ms = (time.monotonic() - t0) * 1000
             rc = wait_for_exit(proc, job.timeout_s)
@@ -89,10 +86,7 @@ class ProcessBackend:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            if cgroup is not None:
-                cgroup.kill_all()
-                out.oom = cgroup.oom_killed()
-                out.pids_limited = cgroup.pids_limited()
+            reap_cgroup(cgroup, out)
             proc.wait()
             return out
         except SandboxError:
@@ -103,10 +97,7 @@ class ProcessBackend:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            out.requests = route.requests
-            out.notes.extend(route.errors)
-            out.proxy_unreachable = route.unreachable
-            bridge.detach(route)
+            detach_route(bridge, route, out)
             if cgroup is not None:
                 cgroup.remove()
             for fd in (gate_r, gate_w):
