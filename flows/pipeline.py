@@ -191,7 +191,11 @@ def iteration_flow(
         trees.get("unique_tokens"),
         trees.get("flattened_tokens"),
     )
-    out_dir = Path(get_settings().runs_dir) / run_id / "checkpoints"
+    run_dir = Path(get_settings().runs_dir) / run_id
+    example = stages.render_example_tree(
+        get_settings(), run_id, iteration, tokenizer_dir=Path(policy_dir), out_dir=run_dir / "trees"
+    )
+    out_dir = run_dir / "checkpoints"
     trained = train_policy(config, run_id, iteration, policy_dir, str(out_dir), mlflow_run_id)
     version = publish_policy(
         serving_url, proxy_url, trained["checkpoint"], int(trained["policy_version"]), cfg.engine, served_dir
@@ -234,7 +238,7 @@ def iteration_flow(
     )
     create_markdown_artifact(
         key=f"summary-{_slug(run_id)}-it{iteration}",
-        markdown=_iteration_markdown(run_id, summary, tracker),
+        markdown=_iteration_markdown(run_id, summary, tracker, example),
         description=f"Iteration {iteration} of run {run_id}",
     )
     return summary
@@ -244,16 +248,20 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower())[:40]
 
 
-def _iteration_markdown(run_id: str, summary: dict[str, Any], tracker: Any) -> str:
+def _iteration_markdown(run_id: str, summary: dict[str, Any], tracker: Any, example: dict[str, Any]) -> str:
     rows = "\n".join(f"| {h} | {v['n']} | {v['reward_mean']:.3f} |" for h, v in summary["by_harness"].items())
+    tree = ""
+    if example:
+        text = "\n".join(example["text"].splitlines()[:40])
+        tree = (
+            f"## Tree `{example['tree_id']}` (most branched rollout)\n\n```\n{text}\n```\n\n"
+            f"HTML: `{example['html']}`; any tree: `clawpipe trees show <tree_id> --format html`.\n"
+        )
     return (
         f"# {run_id}, iteration {summary['iteration']}\n\n"
-        f"MLflow run: `{getattr(tracker, 'run_id', None)}` (experiment in `clawpipe` MLflow UI)\n\n"
+        f"MLflow run: `{getattr(tracker, 'run_id', None)}` (experiment in the MLflow UI)\n\n"
         f"| harness | rollouts | reward |\n|---|---|---|\n{rows}\n\n"
-        f"policy_version now {summary['policy_version']}; trees {summary['trees']}.\n\n"
-        f"Tree rendering: `clawpipe trees show <tree_id> --format html` "
-        f"(list trees: `clawpipe sql \"select tree_id from tree_stats where run_id='{run_id}' "
-        f'and iteration={summary["iteration"]}"`)\n'
+        f"policy_version now {summary['policy_version']}; trees {summary['trees']}.\n\n{tree}"
     )
 
 

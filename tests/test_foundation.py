@@ -6,7 +6,6 @@ import datetime as dt
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import duckdb
@@ -106,18 +105,21 @@ def test_results_reader_skips_torn_line_and_flags_bad_json(tmp_path: Path) -> No
     assert len(out) == 2
 
 
-def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
+def test_cli_help_imports_nothing_heavy() -> None:
+    """`clawpipe --help` stays fast because no room's heavy library loads with the CLI (bench/cli_startup.py
+    measures the time)."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     code = (
-        "import sys, time; t=time.perf_counter(); import clawpipe.cli; "
-        "heavy=[m for m in ('torch','transformers','prefect','mlflow','duckdb') if m in sys.modules]; "
-        "print(heavy)"
+        "import sys; import clawpipe.cli; "
+        "heavy=[m for m in ('torch','transformers','prefect','mlflow','duckdb','fastapi','docker') "
+        "if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "clawpipe", "--help"], capture_output=True, check=True, env=env)
-    assert time.perf_counter() - t < 3.0  # generous: the 1 s target is checked in the benchmark-free smoke below
+    helped = subprocess.run([sys.executable, "-m", "clawpipe", "--help"], capture_output=True, text=True, env=env)
+    assert helped.returncode == 0
+    for command in ("serve", "proxy", "rollout", "land", "sql", "trees", "train", "run", "deploy", "worker"):
+        assert command in helped.stdout
 
 
 def test_settings_prepare_offline_environment(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,7 +39,7 @@ def train(
     out_dir = out or settings.models_dir / run
     policy_dir = policy or _newest_checkpoint(out_dir)
     if policy_dir is None:
-        raise ConfigError(f"no checkpoint in {out_dir}: pass --policy DIR (e.g. one made by `clawpipe serve init`)")
+        raise ConfigError(f"no checkpoint in {out_dir}: pass --policy DIR (e.g. one made by `clawpipe model init`)")
     tracker = make_tracker(track)
     if mlflow_run_id:
         tracker.start_run(mlflow_run_id=mlflow_run_id)

@@ -99,8 +99,10 @@ def sample_specs(
         for task in tasks:
             if evaluation:
                 task = {**task, "sampling": {**task.get("sampling", {}), "temperature": 0.0}}
+            # unique within the run (a task can be drawn again in a later iteration), so rollout ids
+            # (<group_id>.<sample>) join across tables without the iteration
             prefix = "eval." if evaluation else ""
-            group_id = f"{prefix}{h.name}.{task['task_id']}"
+            group_id = f"{prefix}it{iteration}.{h.name}.{task['task_id']}"
             for k in range(samples):
                 specs.append(
                     RolloutSpec(
@@ -218,6 +220,28 @@ def reconstruct(settings: Settings, run_id: str, iteration: int) -> dict[str, An
 
     (summary,) = build_trees(settings.lake_dir, run_id, iteration)
     return asdict(summary)
+
+
+def render_example_tree(
+    settings: Settings, run_id: str, iteration: int, *, tokenizer_dir: Path, out_dir: Path
+) -> dict[str, Any]:
+    """Render the iteration's most branched rollout tree: text (for the artifact) and one HTML file."""
+    from clawpipe.sqlfiles import sql_text
+    from clawpipe.tables import connect
+    from clawpipe.trees.render import load_decoder, read_tree_nodes, render_html, render_text
+
+    con = connect(settings.lake_dir, tables=("tree_stats",))
+    params = {"run_id": run_id, "iteration": int(iteration)}
+    rows = con.sql(sql_text("pipeline/example_tree"), params=params).fetchall()
+    if not rows:
+        return {}
+    tree_id = str(rows[0][0])
+    nodes = read_tree_nodes(settings.lake_dir, tree_id, run_id=run_id, iteration=iteration)
+    decode = load_decoder(tokenizer_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    html = out_dir / f"it{iteration}-{tree_id.replace(':', '-')}.html"
+    html.write_text(render_html(nodes, decode=decode))
+    return {"tree_id": tree_id, "text": render_text(nodes, decode=decode, width=60), "html": str(html)}
 
 
 def train(

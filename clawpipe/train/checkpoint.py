@@ -58,7 +58,7 @@ def load_policy(policy_dir: str | os.PathLike[str], *, attn_implementation: str 
     if not (path / "config.json").is_file():
         raise TrainingError(
             f"policy directory {path} has no config.json: pass a directory written by save_pretrained "
-            "(e.g. `clawpipe serve init` or a previous `clawpipe train` checkpoint)"
+            "(e.g. `clawpipe model init` or a previous `clawpipe train` checkpoint)"
         )
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)

@@ -90,3 +90,17 @@ def test_missing_sandbox_tool_names_the_fix(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "apt-get install -y bubblewrap" in out.stderr and "backend" in out.stderr
     assert not (tmp_path / "home" / "runs").exists()  # nothing started
+
+
+def test_rollout_ids_are_unique_within_a_run() -> None:
+    from clawpipe.pipeline.stages import sample_specs
+
+    cfg = load_config(groups=6, samples=3)
+    specs = [s for it in range(4) for s in sample_specs(cfg, "run", it, policy_version=it)]
+    specs += [s for it in range(4) for s in sample_specs(cfg, "run", it, policy_version=it, evaluation=True)]
+    ids = [s.id for s in specs]
+    assert len(ids) == len(set(ids)) == 4 * (6 * 3 * 2 + cfg.eval_tasks * 2)
+    groups = {s.group_id for s in specs if not s.eval}
+    assert len(groups) == 4 * 6 * 2  # a group is one task for one harness in one iteration
+    evals = [s for s in specs if s.eval]
+    assert all(s.task["sampling"]["temperature"] == 0.0 for s in evals)

@@ -90,6 +90,9 @@ def test_two_harness_pipeline_in_bwrap(home: Path, tmp_path: Path) -> None:
     ) == [(1,)]
     assert q("select count(*) from model_calls where run_id=$r and token_source='upstream'")[0][0] > 0
     assert (home / "runs" / run_id / "checkpoints").is_dir()
+    for it in (0, 1):  # each iteration's summary renders its most branched rollout tree
+        (page,) = (home / "runs" / run_id / "trees").glob(f"it{it}-rollout-*.html")
+        assert "<html" in page.read_text().lower()
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{home.resolve() / 'mlflow.db'}")
