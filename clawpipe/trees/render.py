@@ -28,7 +28,9 @@ def load_decoder(tokenizer_dir: str | os.PathLike[str] | None) -> Decoder | None
         return None
     path = Path(tokenizer_dir) / "tokenizer.json"
     if not path.is_file():
-        raise TreeError(f"no tokenizer.json in {tokenizer_dir}; pass the policy directory (made by `clawpipe model init`)")
+        raise TreeError(
+            f"no tokenizer.json in {tokenizer_dir}; pass the policy directory (made by `clawpipe model init`)"
+        )
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path))
