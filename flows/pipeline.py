@@ -32,6 +32,7 @@ from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
 from clawpipe.pipeline.services import Services, publish  # noqa: E402
 from clawpipe.pipeline.state import RunState, new_run_id  # noqa: E402
 
+
 def _inject_fault(stage: str, iteration: int) -> None:
     """Fail once at ``stage@iteration`` when CLAWPIPE_INJECT_FAULTS asks for it (retry-idempotence tests)."""
     settings = get_settings()
