@@ -120,28 +120,13 @@ class Services:
         while time.monotonic() < deadline:
             for p in self._procs:
                 if p.poll() is not None:
-                    tail = _tail(self.log_dir, p)
+                    tail = _tail(self.log_dir)
                     raise ServingError(f"{name} exited with {p.returncode} while starting; log tail:\n{tail}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url, headers=headers, timeout=2).status_code == 200:
                     return
             time.sleep(0.2)
         raise ServingError(f"{name} did not answer at {url} within {timeout:.0f}s; see {self.log_dir}/{name}.log")
-
-    def publish(self, checkpoint: Path, policy_version: int) -> None:
-        publish(
-            self.serving_url,
-            self.proxy_url,
-            self.admin_token,
-            checkpoint,
-            policy_version,
-            engine=self.engine,
-            served_dir=self.policy_dir,
-        )
-        self.policy_version = policy_version
-
-    def health(self) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.serving_url}/health", timeout=5).json())
 
     def stop(self) -> None:
         for p in reversed(self._procs):  # the proxy first: it seals its segment on SIGTERM
@@ -217,6 +202,6 @@ def publish(
     log.info("published policy_version=%d from %s", policy_version, checkpoint)
 
 
-def _tail(log_dir: Path, proc: subprocess.Popen[bytes]) -> str:
+def _tail(log_dir: Path) -> str:
     logs = sorted(log_dir.glob("*.log"), key=lambda f: f.stat().st_mtime)
     return "\n".join(f"[{f.name}] " + f.read_text(errors="replace")[-1500:] for f in logs[-2:])
