@@ -2,7 +2,7 @@
 the tiny and small default policies, with dynamic batching on (max_batch 64) and off (max_batch 1), in one run;
 then the server's RSS after 100 requests and after many more (no growth per request expected).
 
-Run: .venv/bin/python bench/serving_throughput.py [--seconds 5] [--rounds 3] [--rss-requests 2000]
+Run: .venv/bin/python bench/serving_throughput.py [--seconds 5] [--rounds 3] [--rss-requests 9900]
 The server runs as a subprocess (the clients here do not share its GIL). Prints human lines, then one JSON line
 whose last field is the batching speedup at 16 clients on the tiny policy (target >= 5x).
 """
@@ -85,7 +85,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seconds", type=float, default=5.0, help="Measured seconds per configuration (all rounds).")
     p.add_argument("--rounds", type=int, default=3, help="Interleaved rounds per configuration (median taken).")
-    p.add_argument("--rss-requests", type=int, default=2000, help="Requests between the two RSS readings.")
+    p.add_argument("--rss-requests", type=int, default=9900, help="Requests after the first RSS reading (100 + 9900 = 10k).")
     args = p.parse_args()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:

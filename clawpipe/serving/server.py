@@ -8,7 +8,6 @@ background thread); `start_server_process` runs it as a subprocess; `run_server`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -83,7 +82,13 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "policy_version": engine.policy_version, "model": engine.served_name, **engine.load()}
+        return {
+            "status": "ok",
+            "policy_version": engine.policy_version,
+            "model": engine.served_name,
+            **engine.load(),
+            "stats": dict(engine.stats),
+        }
 
     return app
 
@@ -145,7 +150,9 @@ def _open_engine(
         max_tokens_cap=engine_kwargs.pop("max_tokens_cap", None),
     )
     engine = Engine(model_dir, **engine_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets, and without it the body of each
+    # response (a second write after the headers) waits ~40 ms for the client's delayed ACK (Nagle)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return engine, opts, sock
@@ -211,21 +218,23 @@ def run_server(
     """Serve until interrupted (the CLI's `clawpipe serve`); writes {"url": ...} to ready_file once listening."""
     engine, opts, sock = _open_engine(model_dir, host, port, kwargs)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off"))
+    config = uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off", access_log=False)
+    server = uvicorn.Server(config)
 
-    async def serve() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.01)
-        if ready_file is not None and server.started:
+    def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.01)
+        if ready_file is not None:
             tmp = Path(f"{ready_file}.tmp")
             tmp.write_text(json.dumps({"url": url}))
             tmp.rename(ready_file)
         log.info("serving model=%s url=%s policy_version=%d", engine.served_name, url, engine.policy_version)
-        await task
 
+    threading.Thread(target=announce, name="clawpipe-serve-ready", daemon=True).start()
     try:
-        asyncio.run(serve())
+        server.run(sockets=[sock])  # uvicorn's own loop (uvloop where installed), as start_server uses
     finally:
         engine.close()
 

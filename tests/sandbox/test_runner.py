@@ -15,7 +15,7 @@ from clawpipe.keys import verify_key
 from clawpipe.sandbox import RolloutSpec, iter_rollouts, load_manifest, masked_groups, run_rollouts
 from clawpipe.sandbox.backends.base import Outcome, SandboxJob
 from clawpipe.sandbox.backends.process import ProcessBackend
-from clawpipe.sandbox.bridge import _RequestCounter
+from clawpipe.sandbox.bridge import _RequestCounter, listen_on_host
 from clawpipe.sandbox.limits import CgroupLayout
 from clawpipe.sandbox.runner import classify
 from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness
@@ -174,6 +174,30 @@ def test_classify_and_request_counter() -> None:
     for i in range(0, len(stream), 7):  # arbitrary split points
         c.feed(stream[i : i + 7])
     assert c.count == 5
+
+
+def test_bridge_listeners_accept_connections_with_tcp_nodelay() -> None:
+    """The bridge relays streamed replies in many small writes; Nagle would hold each one for the sandboxed
+    client's delayed ACK (~40 ms). asyncio sets TCP_NODELAY on accepted sockets only for IPPROTO_TCP listeners."""
+    import asyncio
+
+    async def check() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=listen_on_host())
+        port = server.sockets[0].getsockname()[1]
+        _, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(seen, 5)
+        finally:
+            w.close()
+            server.close()
+
+    assert asyncio.run(check()) != 0
 
 
 def test_missing_ro_path_fails_before_anything_runs(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:

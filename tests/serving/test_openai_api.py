@@ -236,3 +236,20 @@ def test_second_turn_prompt_is_the_scripted_conversation(scripted_dir: Any, clie
     assert r.model_extra["prompt_token_ids"] == tok.apply_chat_template(
         SECOND_TURN, tools=TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False
     )
+
+
+def test_accepted_connections_send_without_nagle_delay(server: Any) -> None:
+    """Headers and body leave in two writes; without TCP_NODELAY the body waits ~40 ms for the client's delayed
+    ACK on every response. The server's connections must have it set."""
+    import socket
+
+    assert server._server is not None
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        conns = list(server._server.server_state.connections)
+        assert conns, "the server holds the keep-alive connection"
+        for proto in conns:
+            sock = proto.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
