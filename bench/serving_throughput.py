@@ -85,7 +85,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seconds", type=float, default=5.0, help="Measured seconds per configuration (all rounds).")
     p.add_argument("--rounds", type=int, default=3, help="Interleaved rounds per configuration (median taken).")
-    p.add_argument("--rss-requests", type=int, default=9900, help="Requests after the first RSS reading (100 + 9900 = 10k).")
+    p.add_argument(
+        "--rss-requests", type=int, default=9900, help="Requests after the first RSS reading (100 + 9900 = 10k)."
+    )
     args = p.parse_args()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
