@@ -136,7 +136,11 @@ def main() -> None:
             on, off = results[f"{size}_batched_c{clients}"], results[f"{size}_unbatched_c{clients}"]
             results[f"speedup_{size}_c{clients}"] = round(on["tok_s"] / max(off["tok_s"], 1e-9), 2)
     ratio = round(results["tiny_batched_c16"]["req_s"] / max(results["tiny_unbatched_c16"]["req_s"], 1e-9), 2)
-    print(f"batching speedup at 16 clients (req/s): tiny {ratio}x, small {results['speedup_small_c16']}x (tok/s)")
+    small = round(results["small_batched_c16"]["req_s"] / max(results["small_unbatched_c16"]["req_s"], 1e-9), 2)
+    print(
+        f"batching speedup at 16 clients: small {small}x req/s ({results['speedup_small_c16']}x tok/s); "
+        f"tiny {results['speedup_tiny_c16']}x tok/s, {ratio}x req/s"
+    )
     results["batching_speedup_16_clients"] = ratio
     print(json.dumps(results))
 

@@ -193,6 +193,8 @@ class Bridge:
             route._tasks.add(task)
             try:
                 await self._forward(route, reader, writer)
+            except asyncio.CancelledError:
+                pass  # detach dropped it; ending normally keeps asyncio (3.11) from logging the cancellation
             finally:
                 route._tasks.discard(task)
 
