@@ -28,6 +28,18 @@ class HarnessEntry(BaseModel):
     groups: int | None = Field(
         default=None, ge=1, description="Groups per iteration for this harness; default run.groups."
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment for this harness in this run, set over its harness.toml [env] (e.g. "
+        '{CLAWPIPE_CLI_MODE = "full"} for a real CLI harness).',
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, v: dict[str, str]) -> dict[str, str]:
+        from clawpipe.sandbox.manifest import check_env
+
+        return check_env(v, "env")
 
 
 class PipelineConfig(BaseModel):

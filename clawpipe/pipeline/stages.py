@@ -84,12 +84,14 @@ def sample_specs(
 ) -> list[Any]:
     """RolloutSpecs for one iteration: groups x samples per harness (train), or one greedy rollout per
     held-out task per harness (evaluation, marked eval so training never sees it)."""
+    from clawpipe.sandbox.manifest import find_harness
     from clawpipe.sandbox.runner import RolloutSpec
     from clawpipe.tasks import get_task_set
 
     specs = []
     for h in cfg.harnesses:
         task_set = get_task_set(h.task_set)
+        harness: Any = find_harness(h.name).with_env(h.env) if h.env else h.name
         if evaluation:
             tasks = task_set.generate(cfg.eval_tasks, seed=cfg.seed, split="eval")
             samples = 1
@@ -108,7 +110,7 @@ def sample_specs(
                     RolloutSpec(
                         run_id=run_id,
                         iteration=iteration,
-                        harness=h.name,
+                        harness=harness,
                         task=task,
                         model=cfg.served_name,
                         group_id=group_id,

@@ -11,7 +11,7 @@ import os
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,10 @@ class HarnessManifest:
     env: Mapping[str, str] = field(default_factory=dict)
     exclude_side_calls: bool = False
     ro_paths: tuple[Path, ...] = ()  # extra host paths bound read-only at the same path (e.g. a node install)
+
+    def with_env(self, env: Mapping[str, str]) -> HarnessManifest:
+        """This manifest with ``env`` set over its [env] (validated like [env]), e.g. a CLI harness's mode."""
+        return replace(self, env={**self.env, **check_env(dict(env), f"env for harness {self.name!r}")})
 
     @property
     def kit_dir(self) -> Path | None:
@@ -228,16 +232,24 @@ def _parse_sandbox(path: Path, table: Any) -> tuple[Path, ...]:
 
 
 def _parse_env(path: Path, env: Any) -> dict[str, str]:
+    return check_env(env, f"{path}: [env]")
+
+
+def check_env(env: Any, where: str) -> dict[str, str]:
+    """A harness environment table, validated: NAME = "value" strings, no name the runner sets itself.
+
+    ``where`` names the table in the error (a manifest's [env], or a pipeline config's harness entry).
+    """
     if not isinstance(env, dict):
-        raise _fail(path, '[env] must be a table of NAME = "value" strings')
+        raise ManifestError(f'{where} must be a table of NAME = "value" strings')
     out: dict[str, str] = {}
     for k, v in env.items():
-        if not _ENV_RE.match(k):
-            raise _fail(path, f"[env] name {k!r} is not a valid environment variable name")
+        if not isinstance(k, str) or not _ENV_RE.match(k):
+            raise ManifestError(f"{where} name {k!r} is not a valid environment variable name")
         if k in RESERVED_ENV:
-            raise _fail(path, f"[env] may not set {k}: the runner sets it for every harness")
+            raise ManifestError(f"{where} may not set {k}: the runner sets it for every harness")
         if not isinstance(v, str):
-            raise _fail(path, f"[env] {k} must be a string, got {type(v).__name__} (quote it)")
+            raise ManifestError(f"{where} {k} must be a string, got {type(v).__name__} (quote it)")
         out[k] = v
     return out
 

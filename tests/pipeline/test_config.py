@@ -36,6 +36,8 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         ('[[harnesses]]\nname = "x"\n', "harnesses.0.task_set"),
         ("train = { learning_rate = -1.0 }", "learning_rate"),
         ('train = { algorithm = "dpo" }', "algorithm"),
+        ('[[harnesses]]\nname = "chat-loop"\ntask_set = "guess"\nenv = { CLAWPIPE_TASK = "x" }', "may not set"),
+        ('[[harnesses]]\nname = "chat-loop"\ntask_set = "guess"\nenv = { "1X" = "x" }', "harnesses.0.env"),
     ],
 )
 def test_invalid_config_names_the_field(tmp_path: Path, toml: str, field: str) -> None:
@@ -104,3 +106,21 @@ def test_rollout_ids_are_unique_within_a_run() -> None:
     assert len(groups) == 4 * 6 * 2  # a group is one task for one harness in one iteration
     evals = [s for s in specs if s.eval]
     assert all(s.task["sampling"]["temperature"] == 0.0 for s in evals)
+
+
+def test_harness_entry_env_reaches_the_rollouts_over_the_manifest_env(tmp_path: Path) -> None:
+    from clawpipe.pipeline.stages import sample_specs
+    from clawpipe.sandbox.manifest import find_harness
+
+    p = tmp_path / "p.toml"
+    p.write_text(
+        '[[harnesses]]\nname = "claude-code"\ntask_set = "fixit"\nenv = { CLAWPIPE_CLI_MODE = "full", X_EXTRA = "1" }\n'
+        '[[harnesses]]\nname = "chat-loop"\ntask_set = "guess"\n'
+    )
+    specs = sample_specs(load_config(p), "run", 0, policy_version=0)
+    cli = [s.harness for s in specs if getattr(s.harness, "name", None) == "claude-code"]
+    assert cli and all(m.env["CLAWPIPE_CLI_MODE"] == "full" and m.env["X_EXTRA"] == "1" for m in cli)
+    base = find_harness("claude-code")
+    assert base.env["CLAWPIPE_CLI_MODE"] == "minimal"  # the manifest itself is unchanged
+    assert all(cli[0].env[k] == v for k, v in base.env.items() if k not in ("CLAWPIPE_CLI_MODE", "X_EXTRA"))
+    assert {s.harness for s in specs if isinstance(s.harness, str)} == {"chat-loop"}  # no env: by name
