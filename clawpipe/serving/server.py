@@ -150,12 +150,17 @@ def _open_engine(
         max_tokens_cap=engine_kwargs.pop("max_tokens_cap", None),
     )
     engine = Engine(model_dir, **engine_kwargs)
-    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets, and without it the body of each
-    # response (a second write after the headers) waits ~40 ms for the client's delayed ACK (Nagle)
+    return engine, opts, listen_socket(host, port)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket bound to host:port. proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on
+    connections accepted from such sockets, and without it the body of each response (a second write after
+    the head) waits ~40 ms for the client's delayed ACK (Nagle)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    return engine, opts, sock
+    return sock
 
 
 def start_server(model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1", **kwargs: Any) -> ServerHandle:

@@ -19,6 +19,7 @@ from clawpipe.sandbox.bridge import _RequestCounter, listen_on_host
 from clawpipe.sandbox.limits import CgroupLayout
 from clawpipe.sandbox.runner import classify
 from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness
+from tests.support.net import accepted_nodelay
 
 SECRET = b"test-secret"
 
@@ -179,25 +180,7 @@ def test_classify_and_request_counter() -> None:
 def test_bridge_listeners_accept_connections_with_tcp_nodelay() -> None:
     """The bridge relays streamed replies in many small writes; Nagle would hold each one for the sandboxed
     client's delayed ACK (~40 ms). asyncio sets TCP_NODELAY on accepted sockets only for IPPROTO_TCP listeners."""
-    import asyncio
-
-    async def check() -> int:
-        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-        def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-            writer.close()
-
-        server = await asyncio.start_server(accepted, sock=listen_on_host())
-        port = server.sockets[0].getsockname()[1]
-        _, w = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            return await asyncio.wait_for(seen, 5)
-        finally:
-            w.close()
-            server.close()
-
-    assert asyncio.run(check()) != 0
+    assert accepted_nodelay(listen_on_host()) != 0
 
 
 def test_missing_ro_path_fails_before_anything_runs(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:

@@ -240,8 +240,13 @@ def test_second_turn_prompt_is_the_scripted_conversation(scripted_dir: Any, clie
 
 def test_accepted_connections_send_without_nagle_delay(server: Any) -> None:
     """Headers and body leave in two writes; without TCP_NODELAY the body waits ~40 ms for the client's delayed
-    ACK on every response. The server's connections must have it set."""
+    ACK on every response. The server's connections must have it set, on uvicorn's loop and on plain asyncio."""
     import socket
+
+    from clawpipe.serving.server import listen_socket
+    from tests.support.net import accepted_nodelay
+
+    assert accepted_nodelay(listen_socket("127.0.0.1", 0)) != 0
 
     assert server._server is not None
     host, port = server.url.removeprefix("http://").split(":")
