@@ -22,13 +22,17 @@ class MessagesRoutes(Routes):
 
     async def messages(self, body: dict[str, Any]) -> Response:
         messages, tools = convert.anthropic_messages(body)
+        tools = convert.apply_tool_choice(body, tools, "anthropic")
         prompt = self.render(messages, tools)
         params = self.build_params(
-            body, prompt, convert.int_field(body, "max_tokens"), convert.stop_list(body.get("stop_sequences"))
+            body,
+            prompt,
+            convert.int_field(body, "max_tokens"),
+            convert.stop_list(body.get("stop_sequences"), "stop_sequences"),
         )
         mid, model = f"msg_{new_id('', 12)}", body.get("model") or self.engine.served_name
         if body.get("stream"):
-            return self.sse_response(self._messages_stream(prompt, params, bool(tools), mid, model))
+            return self.sse_response(self._messages_stream(prompt, params, bool(tools), mid, model), anthropic=True)
         version, (c,) = await self.run(prompt, params, bool(tools))
         content, calls = c.full()
         blocks: list[dict[str, Any]] = []
@@ -157,4 +161,5 @@ class MessagesRoutes(Routes):
 
     async def count_tokens(self, body: dict[str, Any]) -> Response:
         messages, tools = convert.anthropic_messages(body)
+        tools = convert.apply_tool_choice(body, tools, "anthropic")
         return JSONResponse({"input_tokens": len(self.render(messages, tools))})

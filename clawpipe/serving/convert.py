@@ -84,6 +84,44 @@ def _function_tool(name: Any, description: Any, parameters: Any, where: str) -> 
     return {"type": "function", "function": fn}
 
 
+def apply_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]], api: str) -> list[dict[str, Any]]:
+    """The tools to offer under the request's tool_choice (api: chat, responses or anthropic).
+
+    none: no tools (not rendered, and the output is not parsed for calls). auto, required / any, or one named
+    tool: the same tools; the engine has no constrained decoding, so required and named choices are checked
+    (the name must be one of the tools) but not enforced; vLLM enforces them."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools
+    name: Any = None
+    if api == "anthropic":
+        kinds = ("auto", "any", "tool", "none")
+        if not isinstance(choice, dict) or choice.get("type") not in kinds:
+            raise RequestError("'tool_choice' must be {type: auto | any | tool | none} (tool also needs 'name')")
+        kind = choice["type"]
+        if kind == "tool":
+            name = choice.get("name")
+    elif isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise RequestError(f"'tool_choice' must be none, auto, required or a function, got {choice!r}")
+        kind = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        kind = "function"
+        name = (choice.get("function") or {}).get("name") if api == "chat" else choice.get("name")
+    elif isinstance(choice, dict) and api == "responses":
+        kind = "auto"  # allowed_tools, hosted tool types: nothing to check here
+    else:
+        raise RequestError("'tool_choice' must be none, auto, required or {type: 'function', ...} naming a tool")
+    if kind == "none":
+        return []
+    names = sorted(t["function"]["name"] for t in tools)
+    if kind in ("required", "any", "tool", "function") and not tools:
+        raise RequestError(f"tool_choice {json.dumps(choice)} needs at least one tool in 'tools'")
+    if kind in ("tool", "function") and (not isinstance(name, str) or name not in names):
+        raise RequestError(f"tool_choice names {name!r}, which is not one of the request's tools {names}")
+    return tools
+
+
 def _list(body: dict[str, Any], key: str) -> list[Any]:
     value = body.get(key)
     if value is None:
@@ -93,14 +131,33 @@ def _list(body: dict[str, Any], key: str) -> list[Any]:
     return value
 
 
-def stop_list(value: Any) -> list[str]:
+def stop_list(value: Any, key: str = "stop") -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
         return [value] if value else []
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return [s for s in value if s]
-    raise RequestError("'stop' must be a string or a list of strings")
+    raise RequestError(f"'{key}' must be a string or a list of strings")
+
+
+# fields several APIs share, by the JSON type they must have when present (null counts as absent)
+COMMON_TYPES: dict[str, tuple[type, str]] = {
+    "model": (str, "a string"),
+    "stream": (bool, "true or false"),
+    "stream_options": (dict, "an object"),
+    "return_token_ids": (bool, "true or false"),
+    "metadata": (dict, "an object"),
+    "parallel_tool_calls": (bool, "true or false"),
+}
+
+
+def check_common(body: dict[str, Any]) -> None:
+    """RequestError when a shared field has the wrong JSON type (e.g. "stream": "false", a string)."""
+    for key, (kind, what) in COMMON_TYPES.items():
+        value = body.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise RequestError(f"'{key}' must be {what}, got {json.dumps(value)[:80]}")
 
 
 def _number(body: dict[str, Any], key: str, default: float) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import secrets
@@ -39,7 +40,12 @@ from clawpipe.serving.text import Detokenizer, TokenTable
 
 log = logging.getLogger(__name__)
 
+SHUTTING_DOWN = "the server is shutting down; retry against a running one"
 PREFILL_CHUNK = 512  # tokens per forward when extending a cached prefix (attention memory ~ chunk x context)
+
+
+class ShuttingDown(ServingError):
+    """The server is stopping: the request was not, or not fully, served (HTTP 503; retry elsewhere)."""
 
 
 class RequestError(ServingError, ValueError):
@@ -202,6 +208,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         req = _Request(prompt_ids=list(prompt_ids), params=params, loop=loop, queue=asyncio.Queue())
         with self._cond:
+            if self._stopping:
+                raise ShuttingDown(SHUTTING_DOWN)
             self._waiting.append(req)
             self._cond.notify()
         done = 0
@@ -302,7 +310,13 @@ class Engine:
                     log.exception("engine step failed")
                     self._fail_all(exc, new)
                 self._flush()
-        self._fail_all(ServingError("the engine is shutting down"), [])
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            reload, self._pending_reload = self._pending_reload, None
+        if reload is not None:
+            with contextlib.suppress(RuntimeError):  # its loop may have closed
+                reload[3].call_soon_threadsafe(_reject, reload[2], ShuttingDown(SHUTTING_DOWN))
+        self._fail_all(ShuttingDown(SHUTTING_DOWN), waiting)
         self._flush()
 
     def _post(self, req: _Request, item: Any) -> None:
@@ -453,17 +467,19 @@ class Engine:
         probs = logp.exp()
         top_p = torch.tensor([r.request.params.top_p for r in rows], device=logits.device)
         u = torch.tensor([r.rng.random() for r in rows], device=logits.device, dtype=torch.float64)
-        if bool((top_p < 1).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            keep = (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
-            sorted_p = sorted_p * keep
-            cum = sorted_p.double().cumsum(-1)
-            pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_(max=probs.shape[1] - 1)
-            sampled = order.gather(1, pick)[:, 0]
-        else:
-            cum = probs.double().cumsum(-1)
-            pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_(max=probs.shape[1] - 1)
-            sampled = pick[:, 0]
+        # each row's token depends only on its own draw and distribution, never on its batch neighbours:
+        # rows with top_p = 1 map u over the vocabulary in id order, top-p rows over the sorted nucleus
+        cum = probs.double().cumsum(-1)
+        last = probs.shape[1] - 1
+        sampled = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_(max=last)[:, 0]
+        nucleus = top_p < 1
+        if bool(nucleus.any()):
+            sorted_p, order = probs[nucleus].sort(dim=-1, descending=True)
+            keep = (sorted_p.cumsum(-1) - sorted_p) < top_p[nucleus][:, None]
+            sorted_cum = (sorted_p * keep).double().cumsum(-1)
+            u_n = u[nucleus]
+            pick = torch.searchsorted(sorted_cum, (u_n * sorted_cum[:, -1])[:, None]).clamp_(max=last)
+            sampled[nucleus] = order.gather(1, pick)[:, 0]
         sampled = torch.where(greedy, logits.argmax(-1), sampled)
         chosen = logp.gather(1, sampled[:, None])[:, 0]
         ids, lps = sampled.tolist(), chosen.tolist()
@@ -576,6 +592,11 @@ class PrefixCache:
 def _resolve(fut: asyncio.Future[int], value: int) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future[int], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
 
 
 def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

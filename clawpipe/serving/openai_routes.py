@@ -22,8 +22,9 @@ class ChatRoutes(Routes):
 
     async def chat(self, body: dict[str, Any]) -> Response:
         messages, tools = convert.chat_messages(body)
+        tools = convert.apply_tool_choice(body, tools, "chat")
         prompt = self.render(messages, tools)
-        n = convert.int_field(body, "n") or 1
+        n = convert.int_field(body, "n")
         params = self.build_params(
             body,
             prompt,
@@ -32,6 +33,8 @@ class ChatRoutes(Routes):
             n,
         )
         want_ids = True  # always: the proxy asks for ids, and SDK clients ignore extra fields
+        if not isinstance(body.get("logprobs"), bool | None):
+            raise RequestError("'logprobs' must be true or false")
         want_lp = bool(body.get("logprobs")) or bool(body.get("return_token_ids"))
         rid, created, model = (
             f"chatcmpl-{new_id('', 12)}",
@@ -168,11 +171,14 @@ class ChatRoutes(Routes):
 
     async def completions(self, body: dict[str, Any]) -> Response:
         prompt = self._completion_prompt(body.get("prompt"))
-        n = convert.int_field(body, "n") or 1
+        n = convert.int_field(body, "n")
         params = self.build_params(
             body, prompt, convert.int_field(body, "max_tokens"), convert.stop_list(body.get("stop")), n
         )
-        want_lp = body.get("logprobs") is not None or bool(body.get("return_token_ids"))
+        logprobs = body.get("logprobs")  # legacy: the number of top alternatives (0-5); false/null: none
+        if logprobs is not None and not isinstance(logprobs, bool | int):
+            raise RequestError("'logprobs' must be an integer (0-5) or null")
+        want_lp = (logprobs is not None and logprobs is not False) or bool(body.get("return_token_ids"))
         rid, created, model = f"cmpl-{new_id('', 12)}", int(time.time()), body.get("model") or self.engine.served_name
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if body.get("stream"):

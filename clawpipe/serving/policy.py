@@ -308,8 +308,11 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             str(dir), dtype=dtype or default_dtype(dev), attn_implementation="sdpa"
         )
-    except (OSError, ValueError) as exc:
-        raise ServingError(f"cannot load a causal LM from {dir}: {exc}") from exc
+    except Exception as exc:  # OSError, ValueError, safetensors' own error for a truncated or corrupt file, ...
+        raise ServingError(
+            f"cannot load a causal LM from {dir}: {type(exc).__name__}: {exc}; check that the checkpoint was "
+            "completely written (config.json and model.safetensors)"
+        ) from exc
     return model.to(dev).eval()  # type: ignore[arg-type]
 
 

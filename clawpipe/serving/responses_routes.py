@@ -22,6 +22,7 @@ class ResponsesRoutes(Routes):
 
     async def responses(self, body: dict[str, Any]) -> Response:
         messages, tools = convert.responses_messages(body)
+        tools = convert.apply_tool_choice(body, tools, "responses")
         prompt = self.render(messages, tools)
         params = self.build_params(body, prompt, convert.int_field(body, "max_output_tokens"), [])
         skeleton = {

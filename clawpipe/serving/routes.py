@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -116,11 +117,11 @@ class Routes:
         return requested
 
     def build_params(
-        self, body: dict[str, Any], prompt: list[int], max_tokens: int | None, stop: list[str], n: int = 1
+        self, body: dict[str, Any], prompt: list[int], max_tokens: int | None, stop: list[str], n: int | None = 1
     ) -> SamplingParams:
         """The request's sampling parameters, capped and checked against the engine together with its prompt."""
         params = convert.sampling(
-            body, self.max_tokens(max_tokens, len(prompt)), self.options.default_max_tokens, stop, n
+            body, self.max_tokens(max_tokens, len(prompt)), self.options.default_max_tokens, stop, 1 if n is None else n
         )
         self.engine.check(prompt, params)
         return params
@@ -147,8 +148,10 @@ class Routes:
     # ------------------------------------------------------------ plumbing
 
     @staticmethod
-    def sse_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def sse_response(gen: AsyncIterator[bytes], anthropic: bool = False) -> StreamingResponse:
+        return StreamingResponse(
+            _ending_in_error(gen, anthropic), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     async def reload(self, request: Request) -> Response:
         token = self.options.admin_token
@@ -157,7 +160,10 @@ class Routes:
             return openai_error(
                 "admin token missing or wrong: send Authorization: Bearer <admin token>", 401, "auth_error"
             )
-        body = await json_body(request)
+        try:
+            body = await json_body(request)
+        except RequestError as exc:
+            return openai_error(str(exc))
         path = body.get("path")
         if not isinstance(path, str) or not Path(path).is_dir():
             return openai_error(f"'path' must name a checkpoint directory that exists, got {path!r}")
@@ -171,12 +177,27 @@ class Routes:
         return JSONResponse({"status": "ok", "policy_version": new_version, "path": path})
 
 
-async def json_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object, or RequestError saying why not."""
+async def _ending_in_error(gen: AsyncIterator[bytes], anthropic: bool) -> AsyncIterator[bytes]:
+    """The stream, closed by an error event when the engine fails part-way (shutdown, an engine error), so the
+    client is told why it ended rather than seeing a cut connection."""
     try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
+        async for chunk in gen:
+            yield chunk
+    except ServingError as exc:
+        if anthropic:
+            yield sse({"type": "error", "error": {"type": "api_error", "message": str(exc)}}, "error")
+        else:
+            yield sse({"error": {"message": str(exc), "type": "api_error", "param": None, "code": None}})
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, or RequestError saying why not (orjson: strict UTF-8, no lone surrogates,
+    nesting bounded)."""
+    try:
+        body = orjson.loads(await request.body() or b"{}")
+    except orjson.JSONDecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    convert.check_common(body)
     return body

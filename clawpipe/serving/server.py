@@ -8,6 +8,8 @@ background thread); `start_server_process` runs it as a subprocess; `run_server`
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -28,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from clawpipe.errors import ServingError
 from clawpipe.serving.anthropic_routes import MessagesRoutes
-from clawpipe.serving.engine import Engine, RequestError
+from clawpipe.serving.engine import Engine, RequestError, ShuttingDown
 from clawpipe.serving.openai_routes import ChatRoutes
 from clawpipe.serving.responses_routes import ResponsesRoutes
 from clawpipe.serving.routes import ServeOptions, anthropic_error, json_body, openai_error
@@ -48,9 +50,11 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
     def endpoint(handler: Callable[[dict[str, Any]], Any], error: Callable[..., JSONResponse]) -> Callable[..., Any]:
         async def run(request: Request) -> Response:
             try:
-                return await handler(await json_body(request))
+                return await _unless_disconnected(request, asyncio.ensure_future(handler(await json_body(request))))
             except RequestError as exc:
                 return error(str(exc))
+            except ShuttingDown as exc:
+                return error(str(exc), 503, "api_error")
             except ServingError as exc:
                 log.warning("request failed: %s", exc)
                 return error(str(exc), 500, "api_error")
@@ -91,6 +95,44 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
         }
 
     return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that stops the engine first on shutdown: running and queued requests then end at once
+    with an error, instead of holding the graceful shutdown open until they would have finished."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await asyncio.to_thread(self.engine.close)
+        await super().shutdown(sockets)
+
+
+async def _unless_disconnected(request: Request, work: asyncio.Future[Response]) -> Response:
+    """The handler's response, unless the client hangs up first: then the handler is cancelled, which frees its
+    engine rows at the next step (a non-streamed request would otherwise run to max_tokens for nobody).
+    Streams return at once here; their responses watch for the disconnect themselves."""
+    gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(BaseException):
+        await work
+    return Response(status_code=499)  # nobody reads it
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # ---------------------------------------------------------------- running it
@@ -171,7 +213,7 @@ def start_server(model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1
     """
     engine, opts, sock = _open_engine(model_dir, host, port, kwargs)
     config = uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off", access_log=False)
-    server = uvicorn.Server(config)
+    server = _Server(config, engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="clawpipe-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -224,7 +266,7 @@ def run_server(
     engine, opts, sock = _open_engine(model_dir, host, port, kwargs)
     url = f"http://{host}:{sock.getsockname()[1]}"
     config = uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off", access_log=False)
-    server = uvicorn.Server(config)
+    server = _Server(config, engine)
 
     def announce() -> None:
         while not server.started:

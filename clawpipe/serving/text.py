@@ -71,8 +71,12 @@ class TokenTable:
 
 @dataclass
 class Detokenizer:
-    """Incremental text of one choice: decodes the ids so far, finds stop strings, and holds back text that may
-    still become a stop string or an incomplete UTF-8 character."""
+    """Incremental text of one choice: decodes the new ids, finds stop strings, and holds back text that may
+    still become a stop string or an incomplete UTF-8 character.
+
+    Each step decodes only a short window: ids[prefix:] against ids[prefix:read] (both decodes start at the
+    same id, so tokenizers that treat the first id specially agree), and the text grows by their difference
+    once it does not end in an incomplete character. Decoding everything each step would be quadratic."""
 
     tokenizer: Any
     stop: list[str]
@@ -82,17 +86,32 @@ class Detokenizer:
     text: str = ""
     emitted: int = 0
     stopped_on: str | None = None
+    _prefix: int = 0  # ids[_prefix:_read] decode to the end of `text`
+    _read: int = 0
 
     def add(self, token_id: int) -> None:
         """Append one id; sets `stopped_on` when a stop string appears (text is cut before it)."""
         if token_id in self.hidden_ids:
             return
         self.ids.append(token_id)
-        if self.lazy:
+        if not self.lazy:
+            self._advance(final=False)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _advance(self, final: bool) -> None:
+        if self.stopped_on is not None or self._read == len(self.ids):
             return
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        before = self._decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        after = self._decode(self.ids[self._prefix :])
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return  # an incomplete character: wait for the next id
+        old = len(self.text)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
         for s in self.stop:
-            pos = self.text.find(s, max(0, self.emitted - len(s)))
+            pos = self.text.find(s, max(0, min(old, self.emitted) - len(s)))
             if pos >= 0:
                 self.text = self.text[:pos]
                 self.stopped_on = s
@@ -100,10 +119,11 @@ class Detokenizer:
 
     def take(self, final: bool) -> str:
         """The text not yet handed out that is safe to hand out now (all of it when final)."""
-        if self.lazy:
-            if not final:
-                return ""
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if final:
+            if self.lazy:
+                self.text = self._decode(self.ids)
+            else:
+                self._advance(final=True)
         end = len(self.text)
         if not final:
             while end > self.emitted and self.text[end - 1] == "\ufffd":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -79,6 +80,27 @@ def test_greedy_is_deterministic_and_a_seed_reproduces_sampling(policy_dir: Path
         (_, g1), (_, g2), (_, s1), (_, s2) = asyncio.run(both())
         assert g1[0]["token_ids"] == g2[0]["token_ids"]
         assert s1[0]["token_ids"] == s2[0]["token_ids"]
+
+        # a seeded request samples the same tokens whatever shares its batch (a top-p neighbour included)
+        seeded = SamplingParams(temperature=1, max_tokens=16, seed=11)
+        nucleus = SamplingParams(temperature=1, top_p=0.5, max_tokens=16, seed=3)
+        (_, alone), (_, alone_p) = (
+            asyncio.run(generate(engine, prompt, seeded)),
+            asyncio.run(generate(engine, prompt, nucleus)),
+        )
+
+        async def mixed() -> list[Any]:
+            other = _prompt(engine, "a longer question about numbers")
+            return await asyncio.gather(
+                generate(engine, prompt, seeded),
+                generate(engine, prompt, nucleus),
+                generate(engine, other, SamplingParams(temperature=1, top_p=0.8, max_tokens=16, seed=9)),
+                generate(engine, other, SamplingParams(temperature=0, max_tokens=16)),
+            )
+
+        (_, batched), (_, batched_p), *_ = asyncio.run(mixed())
+        assert batched[0]["token_ids"] == alone[0]["token_ids"]
+        assert batched_p[0]["token_ids"] == alone_p[0]["token_ids"]
     finally:
         engine.close()
 
@@ -167,6 +189,20 @@ def test_reload_under_load_fails_no_request_and_later_responses_report_the_new_v
         assert server_health(handle.url)["policy_version"] == 7
         with pytest.raises(ServingError, match="refused"):
             request_reload(handle.url, tmp_path / "missing", 8, ADMIN)
+        # a checkpoint still being written (truncated weights) and a body that is not JSON: 400, still serving
+        partial = tmp_path / "partial"
+        partial.mkdir()
+        for f in new_dir.iterdir():
+            data = f.read_bytes()
+            (partial / f.name).write_bytes(data[: len(data) // 2] if f.name.endswith(".safetensors") else data)
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        with httpx.Client(timeout=60) as c:
+            corrupt = c.post(f"{handle.url}/admin/reload", json={"path": str(partial)}, headers=auth)
+            garbage = c.post(f"{handle.url}/admin/reload", content=b"garbage", headers=auth)
+            after = c.post(f"{handle.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert corrupt.status_code == 400 and "completely written" in corrupt.json()["error"]["message"]
+        assert garbage.status_code == 400 and "not valid JSON" in garbage.json()["error"]["message"]
+        assert after.status_code == 200 and after.json()["policy_version"] == 7
     finally:
         handle.stop()
 
@@ -229,3 +265,57 @@ def test_sampled_logprobs_equal_the_trainers_scores(server: Any, scripted_dir: P
     with torch.no_grad():
         want = score(policy.load_model(scripted_dir, "cpu"), mb, temperature=0.7).logprob.tolist()
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+
+
+def test_a_client_that_hangs_up_frees_its_rows(policy_dir: Path) -> None:
+    """A non-streamed request whose client is gone is cancelled: its rows leave the batch at once instead of
+    decoding to max_tokens for nobody (this prompt never reaches EOS greedily on the tiny policy)."""
+    from clawpipe.serving.server import start_server
+
+    handle = start_server(policy_dir, device="cpu", admin_token=ADMIN, max_model_len=4096)
+    try:
+        body = {"prompt": "hi", "max_tokens": 4000, "n": 16, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{handle.url}/v1/completions", json=body, timeout=1.0)
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"{handle.url}/health").json())["running"] or health["waiting"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert health["stats"]["tokens"] < 16 * 4000 // 2  # the full request would be 64,000 tokens
+    finally:
+        handle.stop()
+
+
+def test_stopping_the_server_ends_open_requests_at_once_with_a_clear_error(policy_dir: Path) -> None:
+    """Queued, running and streaming requests get 503 / an error event saying the server is shutting down,
+    instead of holding the shutdown open until they would have finished (or hanging)."""
+    from clawpipe.serving.server import start_server
+
+    handle = start_server(policy_dir, device="cpu", admin_token=ADMIN, max_model_len=4096, max_batch=16)
+    outcomes: dict[int, Any] = {}
+    body = {"prompt": "hi", "max_tokens": 4000, "n": 16, "temperature": 0}  # 16 rows: later ones queue
+
+    def call(i: int) -> None:
+        with httpx.Client(timeout=60) as c:
+            if i % 2:
+                outcomes[i] = c.post(f"{handle.url}/v1/completions", json=body)
+            else:
+                with c.stream("POST", f"{handle.url}/v1/completions", json={**body, "stream": True}) as r:
+                    outcomes[i] = [line for line in r.iter_lines() if line][-1]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (h := server_health(handle.url))["running"] == 0 or h["waiting"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    handle.stop()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads) and len(outcomes) == 4
+    for i, out in outcomes.items():
+        if i % 2:
+            assert out.status_code == 503 and "shutting down" in out.json()["error"]["message"]
+        else:
+            assert "shutting down" in json.loads(out.removeprefix("data: "))["error"]["message"]

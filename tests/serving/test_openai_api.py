@@ -86,6 +86,16 @@ def test_chat_tool_call_round_trip(client: openai.OpenAI) -> None:
     first = client.chat.completions.create(model="tiny", messages=FIRST_TURN, tools=TOOLS, temperature=0)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
+    named = {"type": "function", "function": {"name": "guess"}}
+    same = client.chat.completions.create(
+        model="tiny", messages=FIRST_TURN, tools=TOOLS, temperature=0, tool_choice=named
+    )
+    assert same.choices[0].finish_reason == "tool_calls"  # auto, required and a named tool offer the tools
+    unoffered = client.chat.completions.create(
+        model="tiny", messages=FIRST_TURN, tools=TOOLS, temperature=0, tool_choice="none", extra_body=IDS
+    )
+    assert not unoffered.choices[0].message.tool_calls and unoffered.choices[0].finish_reason != "tool_calls"
+    assert len(unoffered.model_extra["prompt_token_ids"]) < len(first.model_extra["prompt_token_ids"])
     (call,) = choice.message.tool_calls
     assert call.function.name == "guess" and json.loads(call.function.arguments) == {"number": 42}
     history = [
@@ -214,13 +224,26 @@ def test_bad_requests_get_400_with_a_clear_message_and_serving_continues(server:
         ),
         ({"messages": msgs, "tools": [{"type": "retrieval"}]}, "tools[0]"),
         ({"messages": msgs, "temperature": "hot"}, "'temperature' must be a number"),
+        ({"messages": msgs, "stream": "false"}, "'stream' must be true or false"),
+        ({"messages": msgs, "stream": True, "stream_options": "yes"}, "'stream_options' must be an object"),
+        ({"messages": msgs, "n": 0}, "n must be in [1, 128]"),
+        ({"messages": msgs, "logprobs": "no"}, "'logprobs' must be true or false"),
+        ({"messages": msgs, "model": {"x": 1}}, "'model' must be a string"),
+        ({"messages": msgs, "tool_choice": 5}, "'tool_choice' must be"),
+        ({"messages": msgs, "tool_choice": "required"}, "needs at least one tool"),
+        (
+            {"messages": msgs, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not one of the request's tools ['guess']",
+        ),
     ]
     for body, message in cases:
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny", **body)
-        assert message in str(err.value)
-    bad_json = httpx.post(f"{server.url}/v1/chat/completions", content=b"{nope", timeout=10)
-    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", **body}, timeout=30)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+    for raw in (b"{nope", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b"[" * 5000 + b"]" * 5000):
+        bad_json = httpx.post(f"{server.url}/v1/chat/completions", content=raw, timeout=10)
+        assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    legacy = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": False})
+    assert legacy.status_code == 200 and legacy.json()["choices"][0]["logprobs"] is None
     assert client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3).choices[0].message is not None
 
 
