@@ -181,7 +181,7 @@ def int_field(body: dict[str, Any], *keys: str) -> int | None:
 
 
 def sampling(
-    body: dict[str, Any], max_tokens: int | None, default_max: int, stop: list[str], n: int = 1
+    body: dict[str, Any], max_tokens: int | None, default_max: int, stop: list[str], n: int = 1, top_logprobs: int = 0
 ) -> SamplingParams:
     """SamplingParams from common fields (temperature, top_p, seed) and the API-specific ones passed in."""
     return SamplingParams(
@@ -192,6 +192,7 @@ def sampling(
         seed=int_field(body, "seed"),
         n=n,
         stream=bool(body.get("stream")),
+        top_logprobs=top_logprobs,
     )
 
 

@@ -63,6 +63,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     stream: bool = False  # decode text per token (else once at the end, unless stop strings need it)
+    top_logprobs: int = 0  # also report this many most likely tokens per position (with their logprobs)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class TokenEvent:
     text: str
     finish_reason: str | None = None
     stopped_on: str | None = None  # the stop string that ended the choice, if one did
+    top: list[tuple[int, float]] | None = None  # (id, logprob) of the most likely tokens, when asked for
 
 
 @dataclass
@@ -198,6 +200,8 @@ class Engine:
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
         if not 1 <= params.n <= 128:
             raise RequestError(f"n must be in [1, 128], got {params.n}")
+        if not 0 <= params.top_logprobs <= 20:
+            raise RequestError(f"top_logprobs must be in [0, 20], got {params.top_logprobs}")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
@@ -483,8 +487,14 @@ class Engine:
         sampled = torch.where(greedy, logits.argmax(-1), sampled)
         chosen = logp.gather(1, sampled[:, None])[:, 0]
         ids, lps = sampled.tolist(), chosen.tolist()
+        k = max(r.request.params.top_logprobs for r in rows)
+        tops: list[Any] = [None] * len(rows)
+        if k:
+            top_lp, top_id = logp.topk(min(k, logp.shape[1]), dim=-1)
+            top_pairs = [list(zip(i, v, strict=True)) for i, v in zip(top_id.tolist(), top_lp.tolist(), strict=True)]
+            tops = [pairs[: r.request.params.top_logprobs] for r, pairs in zip(rows, top_pairs, strict=True)]
         events: dict[int, tuple[_Request, list[TokenEvent]]] = {}
-        for row, tid, lp in zip(rows, ids, lps, strict=True):
+        for row, tid, lp, top in zip(rows, ids, lps, tops, strict=True):
             row.last_token = tid
             row.n_generated += 1
             self.stats["tokens"] += 1
@@ -494,7 +504,7 @@ class Engine:
             elif row.n_generated >= row.request.params.max_tokens:
                 row.finish = "length"
             text = row.detok.take(final=row.finish is not None)
-            ev = TokenEvent(row.index, tid, lp, text, row.finish, row.detok.stopped_on)
+            ev = TokenEvent(row.index, tid, lp, text, row.finish, row.detok.stopped_on, top or None)
             events.setdefault(id(row.request), (row.request, []))[1].append(ev)
         for req, evs in events.values():
             req.finished += sum(1 for ev in evs if ev.finish_reason is not None)

@@ -31,6 +31,7 @@ class ChatRoutes(Routes):
             convert.int_field(body, "max_completion_tokens", "max_tokens"),
             convert.stop_list(body.get("stop")),
             n,
+            convert.int_field(body, "top_logprobs") or 0,
         )
         want_ids = True  # always: the proxy asks for ids, and SDK clients ignore extra fields
         if not isinstance(body.get("logprobs"), bool | None):
@@ -172,12 +173,15 @@ class ChatRoutes(Routes):
     async def completions(self, body: dict[str, Any]) -> Response:
         prompt = self._completion_prompt(body.get("prompt"))
         n = convert.int_field(body, "n")
-        params = self.build_params(
-            body, prompt, convert.int_field(body, "max_tokens"), convert.stop_list(body.get("stop")), n
-        )
         logprobs = body.get("logprobs")  # legacy: the number of top alternatives (0-5); false/null: none
         if logprobs is not None and not isinstance(logprobs, bool | int):
             raise RequestError("'logprobs' must be an integer (0-5) or null")
+        top = 0 if isinstance(logprobs, bool) or logprobs is None else logprobs
+        if not 0 <= top <= 5:
+            raise RequestError(f"'logprobs' must be in [0, 5], got {top}")
+        params = self.build_params(
+            body, prompt, convert.int_field(body, "max_tokens"), convert.stop_list(body.get("stop")), n, top
+        )
         want_lp = (logprobs is not None and logprobs is not False) or bool(body.get("return_token_ids"))
         rid, created, model = f"cmpl-{new_id('', 12)}", int(time.time()), body.get("model") or self.engine.served_name
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -210,7 +214,9 @@ class ChatRoutes(Routes):
             "content": entries,
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": None,
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]
+            if any(e["top_logprobs"] for e in entries)
+            else None,
             "text_offset": [],
         }
 

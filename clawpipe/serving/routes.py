@@ -39,6 +39,7 @@ class Choice:
     tools: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when top_logprobs was asked
     text: str = ""
     emitted: int = 0
     finish_reason: str | None = None
@@ -49,6 +50,7 @@ class Choice:
         if ev.token_id is not None:
             self.token_ids.append(ev.token_id)
             self.logprobs.append(float(ev.logprob or 0.0))
+            self.tops.append(ev.top or [])
         self.text += ev.text
         if ev.finish_reason is not None:
             self.finish_reason, self.stopped_on = ev.finish_reason, ev.stopped_on
@@ -117,17 +119,30 @@ class Routes:
         return requested
 
     def build_params(
-        self, body: dict[str, Any], prompt: list[int], max_tokens: int | None, stop: list[str], n: int | None = 1
+        self,
+        body: dict[str, Any],
+        prompt: list[int],
+        max_tokens: int | None,
+        stop: list[str],
+        n: int | None = 1,
+        top_logprobs: int = 0,
     ) -> SamplingParams:
         """The request's sampling parameters, capped and checked against the engine together with its prompt."""
         params = convert.sampling(
-            body, self.max_tokens(max_tokens, len(prompt)), self.options.default_max_tokens, stop, 1 if n is None else n
+            body,
+            self.max_tokens(max_tokens, len(prompt)),
+            self.options.default_max_tokens,
+            stop,
+            1 if n is None else n,
+            top_logprobs,
         )
         self.engine.check(prompt, params)
         return params
 
     def lp_entries(self, choice: Choice, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
-        return self.engine.table.logprob_entries(choice.token_ids[start:end], choice.logprobs[start:end])
+        return self.engine.table.logprob_entries(
+            choice.token_ids[start:end], choice.logprobs[start:end], choice.tops[start:end]
+        )
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, tools: bool) -> tuple[int, list[Choice]]:
         choices = [Choice(i, tools) for i in range(params.n)]

@@ -60,13 +60,20 @@ class TokenTable:
         self._cache[token_id] = out
         return out
 
-    def logprob_entries(self, token_ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-        """The chat-completions `logprobs.content` entries for ids and their logprobs."""
+    def logprob_entries(
+        self, token_ids: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The chat-completions `logprobs.content` entries for ids, their logprobs and top alternatives."""
         out = []
-        for tid, lp in zip(token_ids, logprobs, strict=True):
+        for i, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
             text, raw = self.entry(tid)
-            out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": []})
+            top = [self._top(t, v) for t, v in tops[i]] if tops else []
+            out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": top})
         return out
+
+    def _top(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.entry(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
 
 
 @dataclass

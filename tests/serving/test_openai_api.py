@@ -230,6 +230,7 @@ def test_bad_requests_get_400_with_a_clear_message_and_serving_continues(server:
         ({"messages": msgs, "logprobs": "no"}, "'logprobs' must be true or false"),
         ({"messages": msgs, "model": {"x": 1}}, "'model' must be a string"),
         ({"messages": msgs, "tool_choice": 5}, "'tool_choice' must be"),
+        ({"messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
         ({"messages": msgs, "tool_choice": "required"}, "needs at least one tool"),
         (
             {"messages": msgs, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -281,3 +282,26 @@ def test_accepted_connections_send_without_nagle_delay(server: Any) -> None:
         for proto in conns:
             sock = proto.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_top_logprobs_are_the_most_likely_tokens_in_order(client: openai.OpenAI, server: Any) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    entries = r.choices[0].logprobs.content
+    assert entries
+    for e in entries:
+        top = [t.logprob for t in e.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True)
+        assert e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6  # greedy
+    legacy = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "logprobs": 2, "temperature": 0}
+    ).json()["choices"][0]["logprobs"]
+    assert len(legacy["top_logprobs"]) == len(legacy["tokens"]) and all(
+        1 <= len(d) <= 2 for d in legacy["top_logprobs"]
+    )
