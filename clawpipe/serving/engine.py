@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from clawpipe.errors import ServingError
 from clawpipe.serving import policy
@@ -138,7 +139,8 @@ class Engine:
         self.hidden_ids = set(self.stop_ids)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._rows: list[_Row] = []
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, H, L, D) views of the batch's KV
+        self._kv: list[_GrowingLayer] = []  # the buffers behind them, with room for the coming tokens
         self._mask: torch.Tensor | None = None  # (B, L) 1 = real token
         self._pending_reload: tuple[Any, int, asyncio.Future[int], asyncio.AbstractEventLoop] | None = None
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
@@ -341,7 +343,7 @@ class Engine:
         self._pending_reload = None
         self.model = model
         self.policy_version = version
-        self._layers, self._mask = [], None
+        self._reset_batch()
         self.prefix_cache.clear()  # cached KV came from the old weights
         loop.call_soon_threadsafe(_resolve, fut, version)
         log.info("policy reloaded policy_version=%d", version)
@@ -350,7 +352,7 @@ class Engine:
         reqs = {id(r.request): r.request for r in self._rows}
         for req in new:
             reqs[id(req)] = req
-        self._rows, self._layers, self._mask = [], [], None
+        self._reset_batch()
         err = exc if isinstance(exc, ServingError) else ServingError(f"engine error: {exc}")
         for req in reqs.values():
             self._post(req, err)
@@ -424,7 +426,8 @@ class Engine:
 
     def _merge(self, rows: list[_Row], layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
         if not self._rows or self._mask is None:
-            self._rows, self._layers, self._mask = rows, layers, mask
+            self._rows, self._mask = rows, mask
+            self._hold(layers)
             return
         old_len, new_len = self._mask.shape[1], mask.shape[1]
         pad_old, pad_new = max(0, new_len - old_len), max(0, old_len - new_len)
@@ -433,11 +436,24 @@ class Engine:
             ko, vo = _left_pad(ko, pad_old), _left_pad(vo, pad_old)
             kn, vn = _left_pad(kn, pad_new), _left_pad(vn, pad_new)
             merged.append((torch.cat([ko, kn], 0), torch.cat([vo, vn], 0)))
-        self._layers = merged
         self._mask = torch.cat(
             [torch.nn.functional.pad(self._mask, (pad_old, 0)), torch.nn.functional.pad(mask, (pad_new, 0))], 0
         )
         self._rows = self._rows + rows
+        self._hold(merged)
+
+    def _reset_batch(self) -> None:
+        self._rows, self._layers, self._kv, self._mask = [], [], [], None
+
+    def _hold(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep these batch KV tensors in buffers with room for the rows' remaining tokens, so that a decode
+        step writes its new position in place (the default cache concatenates: a copy of all KV per step).
+        The room stops at the longest row reservation, so the KV budget still bounds the memory."""
+        length = layers[0][0].shape[2]
+        room = max(r.request.params.max_tokens - r.n_generated for r in self._rows)
+        cap = max(length + 1, min(length + room, max(r.request.reserve for r in self._rows)))
+        self._kv = [_GrowingLayer(k, v, cap) for k, v in layers]
+        self._layers = [layer.view() for layer in self._kv]
 
     def _decode(self) -> None:
         assert self._mask is not None
@@ -446,7 +462,7 @@ class Engine:
         tokens = torch.tensor([[r.last_token] for r in self._rows], device=self.device)  # (B, 1)
         positions = self._mask.sum(dim=1, keepdim=True)  # (B, 1): real tokens before this one
         mask = torch.cat([self._mask, torch.ones((b, 1), dtype=self._mask.dtype, device=self.device)], 1)
-        cache = _cache_from(self._layers)
+        cache = _cache_of(self._kv)
         out = self.model(
             input_ids=tokens,
             attention_mask=mask,
@@ -455,7 +471,7 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._layers = _layers_of(out.cache)
+        self._layers = [layer.view() for layer in self._kv]  # written in place, one position longer
         self._mask = mask
         self.stats["steps"] += 1
         self._sample(self._rows, out.logits[:, -1, :])
@@ -520,22 +536,63 @@ class Engine:
         if len(keep) == len(self._rows):
             return
         if not keep:
-            self._rows, self._layers, self._mask = [], [], None
+            self._reset_batch()
             return
         assert self._mask is not None
         idx = torch.tensor(keep, device=self.device)
         mask = self._mask.index_select(0, idx)
         first = int(mask.any(0).nonzero()[0, 0])  # leading columns that are padding in every row
         self._mask = mask[:, first:]
-        self._layers = [
-            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._layers
-        ]
         self._rows = [self._rows[i] for i in keep]
+        self._hold(
+            [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._layers]
+        )
 
 
 def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The (B, H, L, D) key/value tensors of each layer of a DynamicCache."""
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class _GrowingLayer(DynamicLayer):
+    """A cache layer whose keys/values are views into buffers with spare positions: `update` writes the new
+    positions in place and returns longer views, instead of concatenating a copy of the whole cache."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        super().__init__()
+        b, h, n, d = keys.shape
+        self.device = keys.device
+        self._k = keys.new_empty((b, h, max(capacity, n), d))
+        self._v = values.new_empty((b, h, max(capacity, n), values.shape[3]))
+        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+        self.length = n
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[2]:  # past the reservation (a row outliving the longest one): grow a little
+            more = end + 64 - self._k.shape[2]
+            self._k = torch.nn.functional.pad(self._k, (0, 0, 0, more))
+            self._v = torch.nn.functional.pad(self._v, (0, 0, 0, more))
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self.view()
+        return self.keys, self.values
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (B, H, L, D) keys and values held now."""
+        return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+
+def _cache_of(layers: list[_GrowingLayer]) -> DynamicCache:
+    """A DynamicCache over these layers (updated in place by the forward pass)."""
+    cache = DynamicCache(ddp_cache_data=[(None, None)] * len(layers))
+    cache.layers = list(layers)
+    return cache
 
 
 def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

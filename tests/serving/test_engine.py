@@ -319,3 +319,23 @@ def test_stopping_the_server_ends_open_requests_at_once_with_a_clear_error(polic
             assert out.status_code == 503 and "shutting down" in out.json()["error"]["message"]
         else:
             assert "shutting down" in json.loads(out.removeprefix("data: "))["error"]["message"]
+
+
+def test_batch_kv_grows_in_place_and_equals_concatenation() -> None:
+    """Decode steps write their position into buffers with room (no copy of the whole cache per step), and what
+    attention sees equals the concatenated cache; past the room the buffer grows."""
+    import torch
+
+    from clawpipe.serving.engine import _GrowingLayer
+
+    k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    layer = _GrowingLayer(k, v, capacity=7)
+    buffer = layer._k.data_ptr()
+    ref_k, ref_v = k, v
+    for step in range(4):
+        nk, nv = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+        got_k, got_v = layer.update(nk, nv)
+        ref_k, ref_v = torch.cat([ref_k, nk], 2), torch.cat([ref_v, nv], 2)
+        assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+        assert layer.get_seq_length() == 6 + step
+        assert (layer._k.data_ptr() == buffer) == (step < 2)  # in place while it fits (7), then grown
