@@ -124,3 +124,17 @@ def test_harness_entry_env_reaches_the_rollouts_over_the_manifest_env(tmp_path: 
     assert base.env["CLAWPIPE_CLI_MODE"] == "minimal"  # the manifest itself is unchanged
     assert all(cli[0].env[k] == v for k, v in base.env.items() if k not in ("CLAWPIPE_CLI_MODE", "X_EXTRA"))
     assert {s.harness for s in specs if isinstance(s.harness, str)} == {"chat-loop"}  # no env: by name
+
+
+def test_the_gpu_config_in_real_harnesses_md_loads(tmp_path: Path) -> None:
+    """The documented mixed real-CLI config stays valid: full mode per entry, the reference harness beside."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "harnesses" / "REAL_HARNESSES.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", doc, re.S)
+    p = tmp_path / "gpu.toml"
+    p.write_text(block)
+    cfg = load_config(p)
+    modes = {h.name: h.env.get("CLAWPIPE_CLI_MODE") for h in cfg.harnesses}
+    assert modes == {"claude-code": "full", "codex": "full", "qwen-code": "full", "chat-loop": None}
+    assert cfg.engine == "vllm"
