@@ -50,7 +50,7 @@ def mint_key(secret: bytes, *, run_id: str, iteration: int, rollout_id: str) -> 
 def verify_key(secret: bytes, key: str) -> RolloutKey:
     """Return the attribution a key carries, or raise KeyVerificationError if it is forged or malformed."""
     parts = key.split(".")
-    if len(parts) != 3 or parts[0] != PREFIX:
+    if len(parts) != 3 or parts[0] != PREFIX or not key.isascii():
         raise KeyVerificationError("malformed rollout key: expected cp1.<payload>.<mac> from the rollout's base URL")
     payload, mac = parts[1], parts[2]
     if not hmac.compare_digest(_mac(secret, payload), mac):

@@ -42,16 +42,20 @@ async def handle_admin(proxy: ProxyServer, conn: ClientConn, req: wire.Request) 
     elif path == "/admin/stats" and method == "GET":
         out = proxy.snapshot_stats()
     elif path == "/admin/pause" and method == "POST":
-        out = await proxy.pause_calls(float(args.get("wait_s", proxy.config.drain_timeout_s)))
+        wait_s = args.get("wait_s", proxy.config.drain_timeout_s)
+        if not _number(wait_s) or wait_s < 0:
+            status, out = 400, {"error": {"message": 'send {"wait_s": <seconds >= 0>} (or no body)'}}
+        else:
+            out = await proxy.pause_calls(float(wait_s))
     elif path == "/admin/resume" and method == "POST":
         version = args.get("policy_version")
-        if version is not None and not isinstance(version, int):
+        if version is not None and not _integer(version):
             status, out = 400, {"error": {"message": "policy_version must be an integer"}}
         else:
             out = proxy.resume_calls(version)
     elif path == "/admin/policy_version" and method in ("GET", "POST", "PUT"):
         if method != "GET":
-            if not isinstance(args.get("policy_version"), int):
+            if not _integer(args.get("policy_version")):
                 status, out = 400, {"error": {"message": 'send {"policy_version": <int>}'}}
             else:
                 proxy.policy_version = args["policy_version"]
@@ -61,3 +65,11 @@ async def handle_admin(proxy: ProxyServer, conn: ClientConn, req: wire.Request) 
         status, out = 404, {"error": {"message": f"unknown admin endpoint {method} {path}"}}
     conn.write(wire.json_response(status, out, keep_alive=keep))
     conn.finish(keep)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # not NaN

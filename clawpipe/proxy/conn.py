@@ -17,8 +17,19 @@ from clawpipe.proxy.upstream import UpstreamConn
 if TYPE_CHECKING:
     from clawpipe.proxy.server import ProxyServer
 
-# A streamed piece holding one of these ends the stream: it is held back until the record is durable.
-END_MARKERS = (b"[DONE]", b"message_stop", b"response.completed", b"response.failed", b"response.incomplete")
+# A stream's last event: from the piece that holds it on, bytes are held back until the record is durable.
+# Matched at the start of an SSE line (newlines in generated text are escaped inside the JSON, so text that
+# mentions "[DONE]" or "message_stop" never matches) and across read boundaries (the tail of earlier reads).
+_LAST_EVENTS = (b"message_stop", b"response.completed", b"response.failed", b"response.incomplete")
+END_MARKERS = (
+    b"\ndata: [DONE]",
+    b"\ndata:[DONE]",
+    *(b"\nevent: " + e for e in _LAST_EVENTS),
+    *(b"\nevent:" + e for e in _LAST_EVENTS),
+    *(b'\ndata: {"type": "' + e + b'"' for e in _LAST_EVENTS),
+    *(b'\ndata: {"type":"' + e + b'"' for e in _LAST_EVENTS),
+)
+_TAIL = max(len(m) for m in END_MARKERS)
 MAX_HEAD = 65536
 
 
@@ -132,6 +143,13 @@ class ClientConn(asyncio.Protocol):
                 try:
                     whole = wire.dechunk(data, start, self.proxy.config.max_body_bytes)
                 except wire.BadRequest as exc:
+                    if exc.status == 413:  # answered and captured like an over-limit content-length body
+                        self._head, self.buf, self._discard = None, bytearray(), 1 << 62
+                        req = self._request(method, target, version, headers, b"")
+                        req.keep_alive = False
+                        req.extra["too_large"] = f"more than {self.proxy.config.max_body_bytes}"
+                        self._dispatch(req)
+                        return
                     self.write(wire.error_response(exc.status, str(exc), anthropic=False, keep_alive=False))
                     self.close()
                     return
@@ -168,7 +186,7 @@ class ClientConn(asyncio.Protocol):
 
     def _dispatch(self, req: wire.Request) -> None:
         self.busy = True
-        self.proxy._loop.create_task(self.proxy._handle(self, req))
+        self.proxy._track(self.proxy._loop.create_task(self.proxy._handle(self, req)))
 
     def finish(self, keep_alive: bool) -> None:
         """The current request is answered: go on with the next one, or close."""
@@ -203,6 +221,7 @@ class Call:
         "status",
         "stream",
         "streaming",
+        "tail",
         "up",
     )
 
@@ -213,6 +232,7 @@ class Call:
         self.parts: list[bytes] = []
         self.held: list[bytes] = []
         self.holding = False
+        self.tail = b"\n"  # the stream so far ends here: its first line starts a line too
         self.streaming = False
         self.status = 0
         self.resp_headers: list[tuple[bytes, bytes]] = []
@@ -237,8 +257,11 @@ class Call:
         self.parts.append(data)
         if self.streaming:
             chunk = b"%x\r\n%b\r\n" % (len(data), data)
-            if self.holding or any(m in data for m in END_MARKERS):
-                self.holding = True
+            if not self.holding:
+                window = self.tail + data
+                self.tail = window[-_TAIL:]
+                self.holding = any(m in window for m in END_MARKERS)
+            if self.holding:
                 self.held.append(chunk)
             else:
                 self.client.write(chunk)
@@ -257,6 +280,13 @@ class Call:
         if up is not None:
             up.detach()  # cancels the upstream request: its connection is dropped
         self._resolve("cancelled", "client disconnected before the response was complete")
+
+    def shut_down(self) -> None:
+        """The proxy is stopping: drop the upstream request; the call is captured as cancelled."""
+        up, self.up = self.up, None
+        if up is not None:
+            up.detach()
+        self._resolve("shutdown", "the proxy shut down before the response was complete")
 
     def timed_out(self, after_s: float) -> None:
         up, self.up = self.up, None

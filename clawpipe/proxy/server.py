@@ -120,6 +120,8 @@ class ProxyServer:
         self._seq: dict[tuple[str, int, str], int] = {}
         self._conns: set[ClientConn] = set()
         self._calls: set[Call] = set()
+        self._handlers: set[asyncio.Task[None]] = set()  # one per request being answered
+        self._stopping = False
         self._retok: Any = None
         if cfg.tokenizer_dir:
             from clawpipe.proxy.retokenize import Retokenizer
@@ -178,19 +180,29 @@ class ProxyServer:
         return self.url
 
     async def close(self, drain_timeout_s: float | None = None) -> None:
-        """Stop accepting, let in-flight calls finish (bounded), seal the open segment."""
+        """Stop accepting, let in-flight calls finish (bounded), then end the rest: each is captured as
+        cancelled and its client told (503, or an unterminated stream); seal the open segment."""
+        self._stopping = True
         if self._server is not None:
             self._server.close()
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._drained.wait(), timeout)
+        for call in list(self._calls):
+            call.shut_down()
+        self._resumed.set()  # calls waiting out a pause answer 503 and are captured
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=10)
         for conn in list(self._conns):
             conn.close()
         for rep in self._replicas:
             rep.close()
-        await asyncio.sleep(0)  # let the last capture callbacks run
         await self._loop.run_in_executor(None, self.writer.close)
         log.info("proxy stopped instance=%s sealed=%s", self.instance, self.writer.sealed[-3:])
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
 
     async def serve_until_stopped(self) -> None:
         await self.open()
@@ -247,34 +259,34 @@ class ProxyServer:
     def _authorize(self, req: wire.Request) -> tuple[RolloutKey | None, str]:
         """(attribution or None, path after the rollout prefix)."""
         path = req.path
-        key = None
         if path.startswith("/r/"):
             slash = path.find("/", 3)
             if slash < 0:
                 return None, path
-            key = path[3:slash]
-            path = path[slash:]
-        else:
-            auth = req.headers.get(b"authorization")
-            if auth is not None and auth[:7].lower() == b"bearer ":
-                key = auth[7:].strip().decode("latin-1")
-            else:
-                xkey = req.headers.get(b"x-api-key")
-                if xkey is not None:
-                    key = xkey.strip().decode("latin-1")
+            return self._verify(path[3:slash]), path[slash:]
+        # a bearer token or x-api-key: the first that is a rollout key (a harness may carry a stray token too)
+        auth = req.headers.get(b"authorization")
+        if auth is not None and auth[:7].lower() == b"bearer ":
+            att = self._verify(auth[7:].strip().decode("latin-1"))
+            if att is not None:
+                return att, path
+        xkey = req.headers.get(b"x-api-key")
+        return (self._verify(xkey.strip().decode("latin-1")) if xkey is not None else None), path
+
+    def _verify(self, key: str) -> RolloutKey | None:
         if not key:
-            return None, path
+            return None
         hit = self._keys.get(key)
         if hit is not None:
-            return hit, path
+            return hit
         try:
             att = verify_key(self._secret, key)
         except KeyVerificationError:
-            return None, path
+            return None
         if len(self._keys) > 200_000:
             self._keys.clear()
         self._keys[key] = att
-        return att, path
+        return att
 
     async def _handle(self, conn: ClientConn, req: wire.Request) -> None:
         try:
@@ -354,7 +366,7 @@ class ProxyServer:
         if api != "models":
             try:
                 obj = json.loads(body)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 await self._fail(conn, req, header, 400, f"request body is not valid JSON: {exc}", anthropic)
                 return
             if not isinstance(obj, dict):
@@ -375,7 +387,15 @@ class ProxyServer:
                 msg = f"proxy paused for a weight update for over {self.config.pause_wait_s:g} s; retry later"
                 await self._fail(conn, req, header, 503, msg, anthropic)
                 return
-            if conn.closed:
+            if self._stopping:
+                await self._fail(conn, req, header, 503, "the proxy is shutting down; retry", anthropic)
+                return
+            if conn.closed:  # captured all the same: every call that reached the proxy has a record
+                header.update(status="cancelled", http_status=499, t_end=time.time())
+                header["error"] = "client disconnected while the proxy was paused"
+                await self._commit(header, req.body, b"")
+                self.stats["cancelled"] += 1
+                self.stats["calls"] += 1
                 return
             header["policy_version"] = self.policy_version
         self.in_flight += 1
@@ -435,6 +455,15 @@ class ProxyServer:
             header["http_status"] = call.status or 499
             header["status"] = "cancelled"
             header["error"] = call.error
+        elif outcome == "shutdown":
+            header["status"] = "cancelled"
+            header["error"] = call.error
+            if call.streaming:
+                header["http_status"] = call.status
+            else:
+                header["http_status"] = 503
+                header["response_partial"] = len(response)
+                response = wire.error_body(503, f"{call.error}; retry the call", anthropic=anthropic)
         else:
             code = 504 if outcome == "timeout" else 502
             header["status"] = "upstream_error"

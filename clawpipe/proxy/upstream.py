@@ -14,6 +14,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from clawpipe.errors import ConfigError
+from clawpipe.proxy.wire import chunk_size
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +217,10 @@ class UpstreamConn(asyncio.Protocol):
                 if nl < 0:
                     self._buf = data[pos:]
                     break
-                line = data[pos:nl].split(b";", 1)[0].strip()
+                line = data[pos:nl]
                 pos = nl + 2
                 try:
-                    size = int(line, 16)
+                    size = chunk_size(line)
                 except ValueError:
                     self.abort()
                     sink.up_fail(UpstreamClosed("malformed chunk size from upstream"), True)

@@ -103,6 +103,18 @@ def parse_head(head: bytes) -> tuple[str, str, bytes, dict[bytes, bytes]]:
         raise BadRequest(400, "non-ASCII request line") from exc
 
 
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+def chunk_size(line: bytes) -> int:
+    """The size on a chunk-size line (extensions after ';' ignored). Only hex digits count: int(x, 16) would
+    also take '-6', '+6', '0x6' or '6_0', and a negative size walks a parser backwards forever."""
+    digits = line.split(b";", 1)[0].strip()
+    if not digits or len(digits) > 16 or not _HEX.issuperset(digits):
+        raise ValueError(f"malformed chunk size {bytes(line[:40])!r}")
+    return int(digits, 16)
+
+
 def dechunk(data: bytes | bytearray, pos: int, limit: int) -> tuple[bytes, int] | None:
     """A chunked request body starting at ``pos``: (body, end offset), or None while incomplete."""
     parts: list[bytes] = []
@@ -112,7 +124,7 @@ def dechunk(data: bytes | bytearray, pos: int, limit: int) -> tuple[bytes, int] 
         if nl < 0:
             return None
         try:
-            size = int(bytes(data[pos:nl]).split(b";", 1)[0].strip(), 16)
+            size = chunk_size(bytes(data[pos:nl]))
         except ValueError as exc:
             raise BadRequest(400, "malformed chunk size in the request body") from exc
         if size == 0:
