@@ -258,9 +258,9 @@ class Call:
         if self.streaming:
             chunk = b"%x\r\n%b\r\n" % (len(data), data)
             if not self.holding:
-                window = self.tail + data
-                self.tail = window[-_TAIL:]
-                self.holding = any(m in window for m in END_MARKERS)
+                edge = self.tail + data[:_TAIL]  # a marker across the read boundary
+                self.holding = any(m in data or m in edge for m in END_MARKERS)
+                self.tail = data[-_TAIL:] if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]
             if self.holding:
                 self.held.append(chunk)
             else:
