@@ -210,6 +210,7 @@ class Call:
     """One forwarded model call: the upstream's :class:`~clawpipe.proxy.upstream.Sink` and its outcome."""
 
     __slots__ = (
+        "chunked",
         "client",
         "error",
         "fut",
@@ -225,8 +226,9 @@ class Call:
         "up",
     )
 
-    def __init__(self, client: ClientConn, stream: bool, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, client: ClientConn, stream: bool, loop: asyncio.AbstractEventLoop, chunked: bool = True) -> None:
         self.client = client
+        self.chunked = chunked  # stream to the client in chunked encoding (HTTP/1.1), else until close
         self.stream = stream
         self.fut: asyncio.Future[None] = loop.create_future()
         self.parts: list[bytes] = []
@@ -251,12 +253,12 @@ class Call:
         self.resp_headers = [(n, v) for n, v in headers if n not in wire.HOP_BY_HOP]
         if self.stream and status == 200:
             self.streaming = True
-            self.client.write(wire.response_head(200, self.resp_headers, length=None))
+            self.client.write(wire.response_head(200, self.resp_headers, length=None if self.chunked else -1))
 
     def up_body(self, data: bytes) -> None:
         self.parts.append(data)
         if self.streaming:
-            chunk = b"%x\r\n%b\r\n" % (len(data), data)
+            chunk = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
             if not self.holding:
                 edge = self.tail + data[:_TAIL]  # a marker across the read boundary
                 self.holding = any(m in data or m in edge for m in END_MARKERS)

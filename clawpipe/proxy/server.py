@@ -425,7 +425,7 @@ class ProxyServer:
         )
         query = header["query"]
         target = path + "?" + query if query else path
-        call = Call(conn, stream, loop)
+        call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0")
         conn.call = call
         replicas = self._replicas
         start = zlib.crc32(att.rollout_id.encode()) % len(replicas) if len(replicas) > 1 else 0
@@ -506,8 +506,8 @@ class ProxyServer:
             return
         if call.streaming:
             if ok and outcome == "end":
-                conn.write(b"".join(call.held) + b"0\r\n\r\n")
-                conn.finish(keep)
+                conn.write(b"".join(call.held) + (b"0\r\n\r\n" if call.chunked else b""))
+                conn.finish(keep and call.chunked)
             else:
                 conn.finish(False)  # an unterminated stream tells the client it is incomplete
             return

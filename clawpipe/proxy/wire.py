@@ -142,12 +142,15 @@ def dechunk(data: bytes | bytearray, pos: int, limit: int) -> tuple[bytes, int] 
 
 
 def response_head(status: int, headers: list[tuple[bytes, bytes]] | tuple[()] = (), *, length: int | None) -> bytes:
-    """Build a response head; ``length=None`` means chunked transfer encoding."""
+    """Build a response head; ``length=None`` means chunked transfer encoding, ``-1`` a body that ends when the
+    connection closes (streams to HTTP/1.0 clients, which do not know chunked encoding)."""
     out = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, "Status").encode())]
     for name, value in headers:
         out.append(name + b": " + value + b"\r\n")
     if length is None:
         out.append(b"transfer-encoding: chunked\r\n\r\n")
+    elif length < 0:
+        out.append(b"connection: close\r\n\r\n")
     else:
         out.append(b"content-length: %d\r\n\r\n" % length)
     return b"".join(out)

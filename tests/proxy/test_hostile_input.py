@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.proxy.conftest import ADMIN, ProxyHandle, key_for
-from tests.support.upstream import ScriptedUpstream
+from tests.support.upstream import ScriptedUpstream, say
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
@@ -201,3 +201,20 @@ def test_bad_admin_arguments_are_400(proxy: ProxyHandle, path: str, body: dict[s
     r = httpx.post(f"{_base(proxy)}{path}", json=body, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
     assert r.status_code == 400
     assert proxy.server.policy_version == 0 and not proxy.server.paused
+
+
+def test_an_http_1_0_client_gets_its_stream_until_close(proxy: ProxyHandle, upstream: ScriptedUpstream) -> None:
+    upstream.push(say("streamed to an old client"))
+    body = httpx.Request("POST", "http://x", json={**CHAT, "stream": True}).content
+    head = f"POST /r/{key_for('old')}/v1/chat/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+    host, port = _base(proxy).removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head.encode() + b"content-length: %d\r\n\r\n" % len(body) + body)
+        out = b""
+        while chunk := s.recv(65536):  # the proxy closes the connection at the end of the stream
+            out += chunk
+    head_out, _, stream = out.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head_out.lower() and stream.startswith(b"data: ")
+    assert stream.rstrip().endswith(b"data: [DONE]")
+    (rec,) = proxy.records()
+    assert rec.header["status"] == "ok" and rec.response == stream
