@@ -52,22 +52,24 @@ def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
 
 def run_sql(lake_root: str | os.PathLike[str], query: str, params: dict[str, Any] | None = None) -> pa.Table:
     """Run one read-only statement over the lake's views and return the rows as Arrow."""
-    con = connect_read_only(lake_root)
-    try:
-        check_read_only(con, query)
-        for attempt in range(_RETRIES + 1):
-            try:
-                return con.sql(query, params=params or None).to_arrow_table()
-            except duckdb.IOException as exc:
-                # a compaction swapped a partition between the glob and the read: the next try sees the new one
-                if attempt == _RETRIES:
-                    raise LakeError(str(exc).strip()) from exc
-                time.sleep(0.05 * (attempt + 1))
-            except duckdb.Error as exc:
+    for attempt in range(_RETRIES + 1):
+        con = None
+        try:
+            # views resolve their globs when created, so a compaction that swaps a partition between the glob
+            # and the read fails the connect or the query alike: a fresh try sees the new files
+            con = connect_read_only(lake_root)
+            check_read_only(con, query)
+            return con.sql(query, params=params or None).to_arrow_table()
+        except duckdb.IOException as exc:
+            if attempt == _RETRIES:
                 raise LakeError(str(exc).strip()) from exc
-        raise AssertionError("unreachable")
-    finally:
-        con.close()
+            time.sleep(0.05 * (attempt + 1))
+        except duckdb.Error as exc:
+            raise LakeError(str(exc).strip()) from exc
+        finally:
+            if con is not None:
+                con.close()
+    raise AssertionError("unreachable")
 
 
 def query_params(sql: str) -> list[str]:

@@ -59,11 +59,16 @@ def test_readers_never_see_a_half_compacted_partition(tmp_path: Path) -> None:
     cap, lake = tmp_path / "cap", tmp_path / "lake"
     n = 0
     seen: list[int] = []
+    errors: list[BaseException] = []
     stop = threading.Event()
 
     def read() -> None:
         while not stop.is_set():
-            seen.append(run_sql(lake, "select count(*) from model_calls").column(0)[0].as_py())
+            try:
+                seen.append(run_sql(lake, "select count(*) from model_calls").column(0)[0].as_py())
+            except BaseException as exc:  # asserted below: a reader must never fail mid-compaction
+                errors.append(exc)
+                return
 
     n = _land_in_rounds(cap, lake, 6, 5)
     reader = threading.Thread(target=read)
@@ -77,6 +82,7 @@ def test_readers_never_see_a_half_compacted_partition(tmp_path: Path) -> None:
     finally:
         stop.set()
         reader.join()
+    assert not errors, errors
     assert seen and all(c % 5 == 0 and 30 <= c <= n for c in seen), sorted(set(seen))
     assert run_sql(lake, "select count(*) from model_calls").column(0)[0].as_py() == n
 
