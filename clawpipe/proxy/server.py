@@ -393,9 +393,7 @@ class ProxyServer:
             if conn.closed:  # captured all the same: every call that reached the proxy has a record
                 header.update(status="cancelled", http_status=499, t_end=time.time())
                 header["error"] = "client disconnected while the proxy was paused"
-                await self._commit(header, req.body, b"")
-                self.stats["cancelled"] += 1
-                self.stats["calls"] += 1
+                await self._capture(header, req.body, b"")
                 return
             header["policy_version"] = self.policy_version
         self.in_flight += 1
@@ -497,9 +495,7 @@ class ProxyServer:
             else:
                 self.stats["no_ids"] += 1
         header["t_end"] = time.time()
-        ok = await self._commit(header, req.body, response)
-        self.stats[header["status"]] += 1
-        self.stats["calls"] += 1
+        ok = await self._capture(header, req.body, response)
         keep = req.keep_alive
         if outcome == "cancelled" or conn.closed:
             conn.finish(False)
@@ -563,9 +559,7 @@ class ProxyServer:
         header["error"] = msg
         header["t_end"] = time.time()
         log.warning("call failed rollout_id=%s status=%d error=%s", header["rollout_id"], status, msg)
-        await self._commit(header, req.body, body)
-        self.stats[header["status"]] += 1
-        self.stats["calls"] += 1
+        await self._capture(header, req.body, body)
         keep = req.keep_alive
         headers = [(b"content-type", b"application/json")]
         if not keep:
@@ -573,7 +567,8 @@ class ProxyServer:
         conn.write(wire.response_head(status, headers, length=len(body)) + body)
         conn.finish(keep)
 
-    def _commit(self, header: dict[str, Any], request: bytes, response: bytes) -> asyncio.Future[bool]:
+    async def _capture(self, header: dict[str, Any], request: bytes, response: bytes) -> bool:
+        """Record one call durably and count it by status; False when the record could not be written."""
         fut: asyncio.Future[bool] = self._loop.create_future()
 
         def done(exc: BaseException | None) -> None:
@@ -584,7 +579,10 @@ class ProxyServer:
             self.writer.submit(header, request, response, done)
         except ClawpipeError:
             fut.set_result(False)
-        return fut
+        ok = await fut
+        self.stats[header["status"]] += 1
+        self.stats["calls"] += 1
+        return ok
 
     def _check_timeouts(self) -> None:
         now = self._loop.time()

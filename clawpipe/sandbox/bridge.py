@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.net import tcp_socket
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +87,6 @@ def listen_in_netns(pid: int, port: int, wait_s: float = 5.0) -> socket.socket:
     if "error" in result:
         raise SandboxError(f"could not open the proxy port inside sandbox pid {pid}: {result['error']}")
     return result["sock"]  # type: ignore[return-value]
-
-
-def tcp_socket() -> socket.socket:
-    """An IPv4 TCP socket whose accepted connections asyncio sets TCP_NODELAY on: it does so only when proto is
-    IPPROTO_TCP, and without it a reply written in two pieces waits ~40 ms for the peer's delayed ACK."""
-    return socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
 
 
 def listen_on_host() -> socket.socket:

@@ -139,8 +139,7 @@ class Engine:
         self.hidden_ids = set(self.stop_ids)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._rows: list[_Row] = []
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, H, L, D) views of the batch's KV
-        self._kv: list[_GrowingLayer] = []  # the buffers behind them, with room for the coming tokens
+        self._kv: list[_GrowingLayer] = []  # the batch's KV, in buffers with room for the coming tokens
         self._mask: torch.Tensor | None = None  # (B, L) 1 = real token
         self._pending_reload: tuple[Any, int, asyncio.Future[int], asyncio.AbstractEventLoop] | None = None
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
@@ -443,7 +442,12 @@ class Engine:
         self._hold(merged)
 
     def _reset_batch(self) -> None:
-        self._rows, self._layers, self._kv, self._mask = [], [], [], None
+        self._rows, self._kv, self._mask = [], [], None
+
+    @property
+    def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (B, H, L, D) keys and values of the batch, per layer (views, no copy)."""
+        return [layer.view() for layer in self._kv]
 
     def _hold(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Keep these batch KV tensors in buffers with room for the rows' remaining tokens, so that a decode
@@ -453,7 +457,6 @@ class Engine:
         room = max(r.request.params.max_tokens - r.n_generated for r in self._rows)
         cap = max(length + 1, min(length + room, max(r.request.reserve for r in self._rows)))
         self._kv = [_GrowingLayer(k, v, cap) for k, v in layers]
-        self._layers = [layer.view() for layer in self._kv]
 
     def _decode(self) -> None:
         assert self._mask is not None
@@ -471,7 +474,6 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._layers = [layer.view() for layer in self._kv]  # written in place, one position longer
         self._mask = mask
         self.stats["steps"] += 1
         self._sample(self._rows, out.logits[:, -1, :])
@@ -566,7 +568,7 @@ class _GrowingLayer(DynamicLayer):
         self._v = values.new_empty((b, h, max(capacity, n), values.shape[3]))
         self._k[:, :, :n], self._v[:, :, :n] = keys, values
         self.length = n
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        self.keys, self.values = self.view()
         self.is_initialized = True
 
     def update(

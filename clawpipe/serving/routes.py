@@ -84,12 +84,19 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
+def error_body(message: str, kind: str, anthropic: bool) -> dict[str, Any]:
+    """An error object in the shape the API's SDK reads (as a response body, or a stream's last event)."""
+    if anthropic:
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
 def openai_error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+    return JSONResponse(error_body(message, kind, anthropic=False), status_code=status)
 
 
 def anthropic_error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+    return JSONResponse(error_body(message, kind, anthropic=True), status_code=status)
 
 
 class Routes:
@@ -199,10 +206,7 @@ async def _ending_in_error(gen: AsyncIterator[bytes], anthropic: bool) -> AsyncI
         async for chunk in gen:
             yield chunk
     except ServingError as exc:
-        if anthropic:
-            yield sse({"type": "error", "error": {"type": "api_error", "message": str(exc)}}, "error")
-        else:
-            yield sse({"error": {"message": str(exc), "type": "api_error", "param": None, "code": None}})
+        yield sse(error_body(str(exc), "api_error", anthropic), "error" if anthropic else None)
 
 
 async def json_body(request: Request) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from clawpipe.errors import ServingError
+from clawpipe.net import tcp_socket
 from clawpipe.serving.anthropic_routes import MessagesRoutes
 from clawpipe.serving.engine import Engine, RequestError, ShuttingDown
 from clawpipe.serving.openai_routes import ChatRoutes
@@ -196,10 +197,8 @@ def _open_engine(
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket bound to host:port. proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on
-    connections accepted from such sockets, and without it the body of each response (a second write after
-    the head) waits ~40 ms for the client's delayed ACK (Nagle)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    """The server's socket bound to host:port (TCP_NODELAY on what it accepts: see clawpipe.net)."""
+    sock = tcp_socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock

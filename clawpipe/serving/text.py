@@ -114,11 +114,10 @@ class Detokenizer:
         after = self._decode(self.ids[self._prefix :])
         if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
             return  # an incomplete character: wait for the next id
-        old = len(self.text)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         for s in self.stop:
-            pos = self.text.find(s, max(0, min(old, self.emitted) - len(s)))
+            pos = self.text.find(s, max(0, self.emitted - len(s)))
             if pos >= 0:
                 self.text = self.text[:pos]
                 self.stopped_on = s
