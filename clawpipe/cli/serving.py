@@ -67,6 +67,17 @@ def serve(
     prefix_cache_mb: float = typer.Option(
         256, "--prefix-cache-mb", help="Memory for KV of recent long prompts, reused by later prompts (0: off)."
     ),
+    prefill_chunk_tokens: int = typer.Option(
+        512,
+        "--prefill-chunk-tokens",
+        help="Prompt tokens computed per engine step: longer prompts are prefilled in chunks, with decode steps of "
+        "running requests between them.",
+    ),
+    max_prompt_tokens: int | None = typer.Option(
+        None,
+        "--max-prompt-tokens",
+        help="Longest prompt a request may send (400 past it; default: the context, up to 65536 tokens).",
+    ),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     tool_parser: str = typer.Option("hermes", "--tool-parser", help="vLLM tool-call parser."),
     dry_run: bool = typer.Option(False, "--dry-run", help="vllm: print the command instead of running it."),
@@ -106,6 +117,8 @@ def serve(
         default_max_tokens=default_max_tokens,
         max_tokens_cap=max_tokens_cap,
         prefix_cache_mb=prefix_cache_mb,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        max_prompt_tokens=max_prompt_tokens,
     )
 
 

@@ -4,8 +4,10 @@ Requests arrive from asyncio (`Engine.submit`), wait in a FIFO queue, and are ad
 while the batch stays within `max_batch` rows and the KV token budget. The budget bounds the padded cache:
 rows x max(prompt + max_tokens) <= kv_budget_tokens, so memory never exceeds it; requests queue instead.
 
-Per step: new requests are prefilled (grouped by prompt length, so no padding and no mask in prefill), their
-caches are left-padded into the running batch, then one decode step runs for every row with
+Per step: new requests with short prompts are prefilled (grouped by prompt length, so no padding and no mask in
+prefill); a long prompt (more than `prefill_chunk_tokens` to compute) is prefilled in chunks, at most that many
+tokens per step, so the running rows take a decode step between its chunks instead of waiting for the whole
+prompt. Prefilled caches are left-padded into the running batch, then one decode step runs for every row with
 position_ids = number of real tokens so far and a 2D mask over the padding. Sampling uses softmax(raw_logits / T)
 with top-p, one RNG per choice (seeded from the request's seed + choice index); the reported logprob is
 log_softmax(raw_logits / T)[sampled] (T = 0: argmax, scored under T = 1). A row stops at EOS (included in its
@@ -42,7 +44,8 @@ from clawpipe.serving.text import Detokenizer, TokenTable
 log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "the server is shutting down; retry against a running one"
-PREFILL_CHUNK = 512  # tokens per forward when extending a cached prefix (attention memory ~ chunk x context)
+PREFILL_CHUNK = 512  # default prompt tokens computed per engine step (attention memory ~ chunk x context)
+MAX_PROMPT_TOKENS = 65536  # default prompt limit (below the model's context when that is smaller)
 
 
 class ShuttingDown(ServingError):
@@ -97,6 +100,15 @@ class _Request:
 
 
 @dataclass
+class _Prefill:
+    """A prompt being prefilled across engine steps: the KV of prompt_ids[:done] (None before the first chunk)."""
+
+    request: _Request
+    layers: list[_GrowingLayer] | None = None
+    done: int = 0
+
+
+@dataclass
 class _Row:
     request: _Request
     index: int
@@ -122,6 +134,8 @@ class Engine:
         policy_version: int = 0,
         served_name: str | None = None,
         prefix_cache_mb: float = 256,
+        prefill_chunk_tokens: int = PREFILL_CHUNK,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.tokenizer = policy.load_tokenizer(model_dir)
@@ -132,6 +146,8 @@ class Engine:
         self.kv_budget_tokens = kv_budget_tokens
         cfg_len = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
         self.max_model_len = min(max_model_len or cfg_len, cfg_len)
+        self.max_prompt_tokens = min(max_prompt_tokens or MAX_PROMPT_TOKENS, self.max_model_len - 1)
+        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.policy_version = policy_version
         self.served_name = served_name or self.model_dir.name
         self.table = TokenTable(self.tokenizer)
@@ -139,13 +155,21 @@ class Engine:
         self.hidden_ids = set(self.stop_ids)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._rows: list[_Row] = []
+        self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not yet computed
         self._kv: list[_GrowingLayer] = []  # the batch's KV, in buffers with room for the coming tokens
         self._mask: torch.Tensor | None = None  # (B, L) 1 = real token
         self._pending_reload: tuple[Any, int, asyncio.Future[int], asyncio.AbstractEventLoop] | None = None
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         self._cond = threading.Condition()
         self._stopping = False
-        self.stats = {"steps": 0, "tokens": 0, "requests": 0, "max_rows": 0, "prefix_hit_tokens": 0}
+        self.stats = {
+            "steps": 0,
+            "tokens": 0,
+            "requests": 0,
+            "max_rows": 0,
+            "prefix_hit_tokens": 0,
+            "prefill_chunks": 0,
+        }
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20 // self.kv_bytes_per_token()))
         self._thread = threading.Thread(target=self._run, name="clawpipe-engine", daemon=True)
         self._thread.start()
@@ -182,6 +206,11 @@ class Engine:
             raise RequestError(
                 f"context overflow: the prompt has {n_prompt} tokens but the model's context is {self.max_model_len}; "
                 "shorten the conversation"
+            )
+        if n_prompt > self.max_prompt_tokens:
+            raise RequestError(
+                f"the prompt has {n_prompt} tokens, more than this server's limit of {self.max_prompt_tokens} prompt "
+                "tokens per request; shorten the conversation (the operator sets the limit with --max-prompt-tokens)"
             )
         if params.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
@@ -263,6 +292,7 @@ class Engine:
         with self._cond:
             return {
                 "waiting": len(self._waiting),
+                "prefilling": len(self._prefilling),
                 "running": len(self._rows),
                 "kv_tokens": self._footprint(self._rows),
             }
@@ -279,7 +309,8 @@ class Engine:
 
     def _admit(self) -> list[_Request]:
         """Pop requests from the queue head while they fit (strict FIFO: no overtaking, no starvation)."""
-        admitted: list[_Request] = []
+        admitted: list[_Request] = [p.request for p in self._prefilling]  # they hold their place in the budget
+        held = len(admitted)
         rows = list(self._rows)
         while self._waiting and self._pending_reload is None:
             req = self._waiting[0]
@@ -293,22 +324,26 @@ class Engine:
             if not (fits_batch and fits_kv):
                 break
             admitted.append(self._waiting.popleft())
-        return admitted
+        return admitted[held:]
 
     def _run(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._stopping and not self._rows and not self._waiting and self._pending_reload is None:
+                    while not (
+                        self._stopping or self._rows or self._waiting or self._prefilling or self._pending_reload
+                    ):
                         self._cond.wait()
                     if self._stopping:
                         break
-                    if self._pending_reload is not None and not self._rows:
+                    if self._pending_reload is not None and not self._rows and not self._prefilling:
                         self._swap_model()
                     new = self._admit()
                 try:
                     if new:
                         self._prefill(new)
+                    if self._prefilling:
+                        self._prefill_step()
                     if self._rows:
                         self._decode()
                 except Exception as exc:  # a bug or OOM: fail the affected requests, keep serving
@@ -349,8 +384,9 @@ class Engine:
 
     def _fail_all(self, exc: BaseException, new: list[_Request]) -> None:
         reqs = {id(r.request): r.request for r in self._rows}
-        for req in new:
+        for req in [*new, *(p.request for p in self._prefilling)]:
             reqs[id(req)] = req
+        self._prefilling.clear()
         self._reset_batch()
         err = exc if isinstance(exc, ServingError) else ServingError(f"engine error: {exc}")
         for req in reqs.values():
@@ -369,15 +405,20 @@ class Engine:
         return rows
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        """Prefill new requests (once per request, expanded to its n rows), sample their first tokens, merge them
-        into the batch. A prompt sharing a long prefix with a cached one reuses that KV and computes the rest;
-        the others are prefilled together when their prompts have the same length (no padding, no mask)."""
+        """Start the prefill of newly admitted requests (once per request, expanded to its n rows later). Short
+        prompts without a cached prefix are prefilled now, together when they have the same length (no padding,
+        no mask), and join the batch with their first tokens; a prompt sharing a long prefix with a cached one
+        reuses that KV, and it and long prompts queue for chunked prefill (`_prefill_step`)."""
         groups: dict[int, list[_Request]] = collections.defaultdict(list)
         for req in reqs:
             hit = self.prefix_cache.lookup(req.prompt_ids)
             if hit is not None:
-                layers, logits = self._extend(req.prompt_ids, *hit)
-                self._admit_rows([req], layers, logits)
+                cached, use = hit
+                self.stats["prefix_hit_tokens"] += use
+                layers = [_GrowingLayer(k[:, :, :use], v[:, :, :use], len(req.prompt_ids)) for k, v in cached]
+                self._prefilling.append(_Prefill(req, layers, use))
+            elif len(req.prompt_ids) > self.prefill_chunk_tokens:
+                self._prefilling.append(_Prefill(req))
             else:
                 groups[len(req.prompt_ids)].append(req)
         for group in groups.values():
@@ -389,23 +430,43 @@ class Engine:
             self._admit_rows(group, layers, out.logits[:, -1, :])
         self._drop_finished()
 
-    def _extend(
-        self, prompt: list[int], cached: list[tuple[torch.Tensor, torch.Tensor]], use: int
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Prefill prompt[use:] on top of cached KV of prompt[:use], in chunks (bounded attention memory)."""
-        self.stats["prefix_hit_tokens"] += use
-        cache = _cache_from([(k[:, :, :use], v[:, :, :use]) for k, v in cached])
-        logits = None
-        for start in range(use, len(prompt), PREFILL_CHUNK):
-            chunk = prompt[start : start + PREFILL_CHUNK]
-            ids = torch.tensor([chunk], device=self.device)  # (1, c)
-            pos = torch.arange(start, start + len(chunk), device=self.device)[None]  # (1, c)
-            out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-            cache, logits = out.cache, out.logits[:, -1, :]
-        assert logits is not None
-        layers = _layers_of(cache)
-        self.prefix_cache.store(prompt, layers, 0)
-        return layers, logits
+    def _prefill_step(self) -> None:
+        """Compute at most `prefill_chunk_tokens` prompt tokens of the queued prefills, oldest first; a prompt
+        that is complete joins the batch. One chunk per step bounds how long running rows wait for their next
+        token, whatever the length of a new prompt."""
+        budget = self.prefill_chunk_tokens
+        while self._prefilling and budget > 0:
+            p = self._prefilling[0]
+            if p.request.cancelled:
+                self._prefilling.popleft()
+                continue
+            prompt = p.request.prompt_ids
+            end = min(len(prompt), p.done + budget)
+            logits = self._prefill_chunk(p, end)
+            budget -= end - p.done
+            p.done = end
+            if end < len(prompt):
+                break
+            self._prefilling.popleft()
+            assert p.layers is not None
+            layers = [layer.view() for layer in p.layers]
+            self.prefix_cache.store(prompt, layers, 0)
+            self._admit_rows([p.request], layers, logits)
+        self._drop_finished()
+
+    def _prefill_chunk(self, p: _Prefill, end: int) -> torch.Tensor:
+        """Compute prompt[p.done:end] on top of the prefill's KV; returns the logits of its last position."""
+        ids = torch.tensor([p.request.prompt_ids[p.done : end]], device=self.device)  # (1, c)
+        self.stats["prefill_chunks"] += 1
+        if p.layers is None:  # the first chunk: no KV yet, so no positions or mask to pass
+            out = self.model(input_ids=ids, cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+            p.layers = [_GrowingLayer(k, v, len(p.request.prompt_ids)) for k, v in _layers_of(out.cache)]
+        else:
+            pos = torch.arange(p.done, end, device=self.device)[None]  # (1, c)
+            out = self.model(
+                input_ids=ids, position_ids=pos, cache=_cache_of(p.layers), use_cache=True, logits_to_keep=1
+            )
+        return out.logits[:, -1, :]
 
     def _admit_rows(
         self, group: list[_Request], layers: list[tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor
@@ -594,16 +655,6 @@ def _cache_of(layers: list[_GrowingLayer]) -> DynamicCache:
     """A DynamicCache over these layers (updated in place by the forward pass)."""
     cache = DynamicCache(ddp_cache_data=[(None, None)] * len(layers))
     cache.layers = list(layers)
-    return cache
-
-
-def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache holding these (B, H, L, D) tensors without copying them."""
-    cache = DynamicCache(ddp_cache_data=[(None, None)] * len(layers))
-    layer: Any
-    for layer, (k, v) in zip(cache.layers, layers, strict=True):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
     return cache
 
 

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from clawpipe.errors import ServingError
 from clawpipe.net import tcp_socket
 from clawpipe.serving.anthropic_routes import MessagesRoutes
-from clawpipe.serving.engine import Engine, RequestError, ShuttingDown
+from clawpipe.serving.engine import PREFILL_CHUNK, Engine, RequestError, ShuttingDown
 from clawpipe.serving.openai_routes import ChatRoutes
 from clawpipe.serving.responses_routes import ResponsesRoutes
 from clawpipe.serving.routes import ServeOptions, anthropic_error, json_body, openai_error
@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--max-tokens-cap", type=int)
     p.add_argument("--prefix-cache-mb", type=float, default=256)
+    p.add_argument("--prefill-chunk-tokens", type=int, default=PREFILL_CHUNK)
+    p.add_argument("--max-prompt-tokens", type=int)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_server(
@@ -319,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
         default_max_tokens=a.default_max_tokens,
         max_tokens_cap=a.max_tokens_cap,
         prefix_cache_mb=a.prefix_cache_mb,
+        prefill_chunk_tokens=a.prefill_chunk_tokens,
+        max_prompt_tokens=a.max_prompt_tokens,
     )
 
 
