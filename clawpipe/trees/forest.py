@@ -188,22 +188,33 @@ def _to_rows(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return np.where(idx >= 0, rows[np.maximum(idx, 0)], -1)
 
 
-def _add_tree(
-    acc: _Acc, b: _Batch, scope: str, key: str, group: str, rollout: str | None, all_rows: np.ndarray, keys: dict
-) -> None:
-    rows = all_rows[b.in_tree[all_rows]]
-    seqs = TreeSequences(
+def _sequences(b: _Batch, rows: np.ndarray, keys: dict[int, bytes]) -> TreeSequences:
+    """The tree input of batch rows (already restricted to rows in the tree), in their order."""
+    return TreeSequences(
         keys=[keys[r] for r in rows.tolist()],
         plen=b.prompt.length[rows].tolist(),
         glen=b.glen[rows].tolist(),
         call=b.call_code[rows].tolist(),
         rollout=b.rollout_code[rows].tolist(),
     )
+
+
+def _add_tree(
+    acc: _Acc,
+    b: _Batch,
+    scope: str,
+    key: str,
+    group: str,
+    rollout: str | None,
+    all_rows: np.ndarray,
+    nodes: TreeNodes | None,
+) -> None:
+    """Append one built tree (``nodes``: None when no row of ``all_rows`` is in the tree) and its stats."""
+    rows = all_rows[b.in_tree[all_rows]]
     t = len(acc.tree_ids)
     tid = tree_id_of(scope, key)
     acc.tree_ids.append(tid)
     acc.scopes.append(scope)
-    nodes: TreeNodes | None = build_tree(seqs, group_scope=scope == "group") if len(rows) else None
     n = 0 if nodes is None else len(nodes.start)
     causes = np.zeros(len(CAUSES) + 1, dtype=np.int64)
     if nodes is not None:
@@ -265,14 +276,23 @@ def build_forest(
         for g_rows in np.split(np.arange(len(b.group_code)), bounds):
             keys = {r: b.key(r) for r in g_rows[b.in_tree[g_rows]].tolist()}
             group = b.group_ids[int(b.group_code[g_rows[0]])]
-            if "rollout" in scopes:
-                rc = b.rollout_code[g_rows]
-                r_bounds = np.flatnonzero(np.diff(rc)) + 1
-                for r_rows in np.split(g_rows, r_bounds):
-                    rid = b.rollout_ids[int(b.rollout_code[r_rows[0]])]
-                    _add_tree(acc, b, "rollout", rid, group, rid, r_rows, keys)
+            # the rollout trees come first: a group tree's branches take their labels from them
+            per_rollout: dict[int, TreeNodes] = {}
+            rc = b.rollout_code[g_rows]
+            for r_rows in np.split(g_rows, np.flatnonzero(np.diff(rc)) + 1):
+                code = int(b.rollout_code[r_rows[0]])
+                rows = r_rows[b.in_tree[r_rows]]
+                r_nodes = build_tree(_sequences(b, rows, keys)) if len(rows) else None
+                if r_nodes is not None:
+                    per_rollout[code] = r_nodes
+                if "rollout" in scopes:
+                    rid = b.rollout_ids[code]
+                    _add_tree(acc, b, "rollout", rid, group, rid, r_rows, r_nodes)
             if "group" in scopes:
-                _add_tree(acc, b, "group", group, group, None, g_rows, keys)
+                rows = g_rows[b.in_tree[g_rows]]
+                g_seqs = _sequences(b, rows, keys)
+                g_nodes = build_tree(g_seqs, group_scope=True, rollout_trees=per_rollout) if len(rows) else None
+                _add_tree(acc, b, "group", group, group, None, g_rows, g_nodes)
         nodes = _assemble(acc, b, run_id, iteration)
     else:
         nodes = TREE_NODES.empty_table()

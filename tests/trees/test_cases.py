@@ -257,3 +257,45 @@ def test_calls_of_unknown_rollouts_still_get_a_tree(tmp_path: Path) -> None:
     assert set(stats) == {"rollout:orphan", "group:orphan"}
     leaf = read_tree(tmp_path, RUN, 0, "rollout:orphan")[-1]
     assert leaf["is_leaf"] and leaf["reward"] is None
+
+
+def test_group_tree_labels_each_branch_within_the_rollout_that_made_it(tmp_path: Path) -> None:
+    p = SYS + TASK
+    calls = [
+        call("a1", "ra", 0, p, [20, 21]),
+        call("a2", "ra", 1, [*p, 20, 21, 8], [22]),
+        call("b1", "rb", 0, p, [30], choice=0),
+        call("b1", "rb", 0, p, [20, 21], choice=1),  # n = 2: one choice says what ra said first
+        call("b2", "rb", 1, p, [40]),  # a real retry of rb's prompt
+        call("c1", "rc", 0, p, [20, 25]),  # rc's first call
+        call("c2", "rc", 1, p, [20, 21]),  # rc retries and says what ra said
+        call("d1", "rd", 0, p, [50]),
+        call("d2", "rd", 1, [1, 2, 60, 61], [62]),  # a sub-agent with its own system prompt
+        call("e1", "re", 0, p, [70, 75, 76]),
+        call("e2", "re", 1, [*p, 70, 75, 76, 8], [71]),
+        call("e3", "re", 2, [*p, 90, 91], [72]),  # history compacted into a summary
+    ]
+    rolls = [rollout(r, "g1", 1.0, i) for i, r in enumerate(("ra", "rb", "rc", "rd", "re"))]
+    stats = _build(tmp_path, calls, rolls)
+    group = read_tree(tmp_path, RUN, 0, "group:g1")
+    assert _node_at(group, [*p, 30])["branch_cause"] == "rollout"  # rb's first call, not a retry
+    assert _node_at(group, [*p, 20, 25])["branch_cause"] == "rollout"  # rc's first call, not a retry
+    assert _node_at(group, [*p, 40])["branch_cause"] == "retry"
+    assert _node_at(group, [1, 2, 60])["branch_cause"] == "subagent"
+    assert _node_at(group, [*p, 90])["branch_cause"] == "rewrite"
+    assert _branches(stats["group:g1"]) == {
+        "retry": 1,
+        "choice": 0,
+        "rewrite": 1,
+        "subagent": 1,
+        "drift": 0,
+        "rollout": 4,  # rb, rc, rd and re leave the path ra took
+    }
+    # the rollouts' own trees name the same branches, and the ones the group tree cannot show
+    assert _branches(stats["rollout:rb"]) == {
+        **dict.fromkeys(_branches(stats["rollout:rb"]), 0),
+        "choice": 1,
+        "retry": 1,
+    }
+    assert _node_at(read_tree(tmp_path, RUN, 0, "rollout:rb"), [*p, 20])["branch_cause"] == "choice"
+    assert _node_at(read_tree(tmp_path, RUN, 0, "rollout:rc"), [*p, 20, 21])["branch_cause"] == "retry"

@@ -161,3 +161,42 @@ def test_unique_tokens_never_exceed_flattened_and_equal_only_without_sharing(row
         assert (s["unique_tokens"] == s["flattened_tokens"]) == nothing_shared
         assert s["n_leaves"] == sum(n["is_leaf"] for n in tree)
         assert s["n_nodes"] == len(tree)
+
+
+def _paths(tree: list[dict], members: list[tuple[dict, list[int], int]]) -> list[tuple[dict, list[int]]]:
+    out = []
+    for c, seq, _ in members:
+        path = locate(tree, seq)
+        assert path is not None
+        out.append((c, path))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=call_sets())
+def test_group_labels_are_the_rollout_labels_of_the_branch_that_made_them(rows: list[dict]) -> None:
+    """A branch is labelled within the rollout of its earliest call: a retry is a later call of THAT rollout."""
+    nodes, _ = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
+    trees = _trees(nodes)
+    members = _in_tree(rows)
+    group = trees.get("group:g", [])
+    through = _paths(group, members)  # rows are rollout-major in rank order: r0's calls, then r1's, ...
+    for x in (n for n in group if n["branch_cause"] is not None):
+        on_x = [(c, path) for c, path in through if x["node_id"] in path]
+        first = min(on_x, key=lambda cp: (cp[0]["rollout_id"], cp[0]["seq"], cp[0]["choice_index"]))[0]
+        rid = first["rollout_id"]
+        own = trees[f"rollout:{rid}"]
+        seq = first["prompt_token_ids"] + (first["completion_token_ids"] if first["status"] == "ok" else [])
+        at_d = [own[i] for i in locate(own, seq) or [] if own[i]["depth"] == x["depth"]]
+        want = at_d[0]["branch_cause"] if at_d and at_d[0]["branch_cause"] else "rollout"
+        assert x["branch_cause"] == want, (x, first["call_id"])
+        # and what the label claims holds within that rollout, for the labels that name calls
+        sibs = {n["node_id"] for n in group if n["parent_id"] == x["parent_id"] and n["node_id"] != x["node_id"]}
+        on_sibs = [c for c, path in through if sibs & set(path) and c["rollout_id"] == rid]
+        if want == "retry":
+            assert any(c["seq"] < first["seq"] for c in on_sibs)
+        elif want == "choice":
+            assert any(c["call_id"] == first["call_id"] for c in on_sibs)
+        elif want == "drift":
+            earlier = {c["call_id"]: c for c in rows if c["rollout_id"] == rid}
+            assert earlier[x["drift_call_id"]]["seq"] < first["seq"]
