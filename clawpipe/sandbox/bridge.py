@@ -6,6 +6,12 @@ listening socket *inside that namespace* (a short-lived thread ``setns``-es into
 host thread accepts on all such listeners and forwards each connection to the proxy's real address.
 A connection arrives on a listener that belongs to exactly one rollout, so the bridge can count that
 rollout's requests without trusting anything the harness sends.
+
+One sandbox cannot starve another: each route holds at most ``max_connections`` open connections (each
+costs the runner two descriptors, so a sandbox's share of the runner's descriptors is bounded); one more
+is refused at once with a reset and counted, and a sandbox at its cap is accepted from at most every
+``REFUSE_PAUSE_S``, so a connect loop cannot monopolise the bridge's event loop. Connections with no
+bytes either way for ``idle_timeout_s`` are closed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import Future
@@ -30,6 +37,10 @@ from clawpipe.net import tcp_socket
 logger = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
+DEFAULT_MAX_CONNECTIONS = 64  # per sandbox; a harness's SDK keeps a handful (one per call in flight)
+DEFAULT_IDLE_TIMEOUT_S = 300.0  # generous: a non-streamed call to a slow model sends nothing until it is done
+REFUSE_PAUSE_S = 0.01  # a sandbox at its cap is refused at most ~100 times a second; the rest wait in its backlog
+LISTEN_BACKLOG = 128
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -75,7 +86,7 @@ def listen_in_netns(pid: int, port: int, wait_s: float = 5.0) -> socket.socket:
                         sock.close()
                         raise
                     time.sleep(0.0005)
-            sock.listen(128)
+            sock.listen(LISTEN_BACKLOG)
             sock.setblocking(False)
             result["sock"] = sock
         except OSError as exc:
@@ -93,9 +104,16 @@ def listen_on_host() -> socket.socket:
     """A listener on an ephemeral 127.0.0.1 port in the host namespace (the process backend's bridge)."""
     sock = tcp_socket()
     sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): the client sees ECONNRESET at once and no TIME_WAIT is left."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()
 
 
 class _RequestCounter:
@@ -140,29 +158,67 @@ class _RequestCounter:
                     self._chunked = True
 
 
-@dataclass
+class _Conn:
+    """One forwarded connection: its handler task and when a byte last passed either way."""
+
+    __slots__ = ("last", "task")
+
+    def __init__(self, task: asyncio.Task[None], now: float) -> None:
+        self.task = task
+        self.last = now
+
+
+@dataclass(eq=False)  # compared and hashed by identity: the bridge keeps a set of live routes
 class Route:
     """One sandbox's listener and what passed through it."""
 
     port: int
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     connections: int = 0
     requests: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
     unreachable: int = 0  # connections that could not be forwarded because the proxy did not answer
+    refused: int = 0  # connections refused because the sandbox already had max_connections open
+    idle_closed: int = 0  # connections closed after idle_timeout_s without a byte either way
+    peak_open: int = 0
     errors: list[str] = field(default_factory=list)
-    _server: asyncio.AbstractServer | None = None
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _acceptor: asyncio.Task[None] | None = None
+    _conns: dict[asyncio.Task[None], _Conn] = field(default_factory=dict)
+    _slot_free: asyncio.Event | None = None
+
+    @property
+    def open(self) -> int:
+        return len(self._conns)
 
 
 class Bridge:
-    """One event loop thread that forwards every sandbox's listener to the proxy. Use as a context manager."""
+    """One event loop thread that forwards every sandbox's listener to the proxy. Use as a context manager.
 
-    def __init__(self, proxy_url: str) -> None:
+    ``max_connections`` caps each sandbox's open connections; ``idle_timeout_s`` closes a connection that
+    carried no byte either way for that long.
+    """
+
+    def __init__(
+        self,
+        proxy_url: str,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    ) -> None:
+        if max_connections < 1 or idle_timeout_s <= 0:
+            raise ConfigError(
+                f"bridge max_connections must be >= 1 and idle_timeout_s > 0, "
+                f"got {max_connections} and {idle_timeout_s}"
+            )
         self.target = parse_proxy_url(proxy_url)
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self._routes: set[Route] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="clawpipe-bridge", daemon=True)
         self._thread.start()
+        self._sweeper = self._call(self._start_sweeper())
 
     def _call(self, coro: object, timeout: float = 10.0) -> object:
         fut: Future[object] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
@@ -170,7 +226,7 @@ class Bridge:
 
     def attach(self, sock: socket.socket) -> Route:
         """Start forwarding connections accepted on ``sock`` (which the bridge now owns)."""
-        route = Route(port=sock.getsockname()[1])
+        route = Route(port=sock.getsockname()[1], max_connections=self.max_connections)
         self._call(self._start(route, sock))
         return route
 
@@ -181,30 +237,88 @@ class Bridge:
         with contextlib.suppress(Exception):
             self._call(self._stop(route))
 
-    async def _start(self, route: Route, sock: socket.socket) -> None:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            route._tasks.add(task)
-            try:
-                await self._forward(route, reader, writer)
-            except asyncio.CancelledError:
-                pass  # detach dropped it; ending normally keeps asyncio (3.11) from logging the cancellation
-            finally:
-                route._tasks.discard(task)
+    async def _start_sweeper(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._sweep_idle())
 
-        route._server = await asyncio.start_server(handle, sock=sock)
+    async def _sweep_idle(self) -> None:
+        """Close connections idle for longer than idle_timeout_s (checked a few times per timeout)."""
+        loop = asyncio.get_running_loop()
+        period = max(0.05, min(self.idle_timeout_s / 4, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            cutoff = loop.time() - self.idle_timeout_s
+            for route in list(self._routes):
+                for conn in list(route._conns.values()):
+                    if conn.last < cutoff and not conn.task.done():
+                        route.idle_closed += 1
+                        conn.task.cancel()
+
+    async def _start(self, route: Route, sock: socket.socket) -> None:
+        route._slot_free = asyncio.Event()
+        route._acceptor = asyncio.get_running_loop().create_task(self._accept(route, sock))
+        self._routes.add(route)
+
+    async def _accept(self, route: Route, sock: socket.socket) -> None:
+        """Accept one connection at a time; over the cap, reset it and pause until a slot frees (or briefly)."""
+        loop = asyncio.get_running_loop()
+        assert route._slot_free is not None
+        try:
+            while True:
+                conn, _ = await loop.sock_accept(sock)
+                if route.open >= route.max_connections:
+                    route.refused += 1
+                    if route.refused == 1:
+                        route.errors.append(
+                            f"sandbox opened more than {route.max_connections} connections at once; the bridge "
+                            "refused the rest"
+                        )
+                    _reset(conn)
+                    route._slot_free.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(route._slot_free.wait(), REFUSE_PAUSE_S)
+                    continue
+                task = loop.create_task(self._handle(route, conn))
+                route._conns[task] = _Conn(task, loop.time())
+                route.peak_open = max(route.peak_open, route.open)
+        finally:
+            sock.close()
+
+    async def _handle(self, route: Route, conn: socket.socket) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+            await self._forward(route, route._conns[task], reader, writer)
+        except asyncio.CancelledError:
+            pass  # detach or the idle sweep dropped it; ending normally keeps asyncio (3.11) quiet
+        except OSError:
+            conn.close()
+        finally:
+            route._conns.pop(task, None)
+            if route._slot_free is not None:
+                route._slot_free.set()
+
+    async def _shutdown(self) -> None:
+        self._sweeper.cancel()  # type: ignore[attr-defined]
+        for route in list(self._routes):
+            await self._stop(route)
 
     async def _stop(self, route: Route) -> None:
-        if route._server is not None:
-            route._server.close()
-        for task in list(route._tasks):
+        self._routes.discard(route)
+        if route._acceptor is not None:
+            route._acceptor.cancel()
+            await asyncio.gather(route._acceptor, return_exceptions=True)
+        tasks = list(route._conns)
+        for task in tasks:
             task.cancel()
-        if route._tasks:
-            await asyncio.gather(*route._tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _forward(self, route: Route, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _forward(
+        self, route: Route, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         route.connections += 1
+        loop = asyncio.get_running_loop()
         counter = _RequestCounter()
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
@@ -218,6 +332,7 @@ class Bridge:
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upstream: bool) -> None:
             try:
                 while data := await src.read(65536):
+                    conn.last = loop.time()
                     if upstream:
                         route.bytes_up += len(data)
                         seen = counter.count
@@ -245,6 +360,8 @@ class Bridge:
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        with contextlib.suppress(Exception):
+            self._call(self._shutdown(), timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()

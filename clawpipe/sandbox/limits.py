@@ -19,11 +19,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clawpipe.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 CONTROLLERS = ("memory", "cpu", "pids")
 CFS_PERIOD_US = 100_000
 NPROC_SHARE = 16  # rlimit fallback: RLIMIT_NPROC is per uid, shared by concurrent sandboxes
+FDS_PER_SANDBOX = 16  # the runner's own descriptors per sandbox: pipes, logs, pidfd, listener, cgroup files
+FDS_RESERVED = 256  # the runner itself: result files, the proxy check, imports, logging
+MIN_CONNECTIONS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,3 +270,44 @@ def apply_rlimits(pid: int, limits: Limits, missing: set[str], timeout_s: float)
     if "cpu" in missing:
         secs = max(1, int(limits.cpus * timeout_s) + 1)
         resource.prlimit(pid, resource.RLIMIT_CPU, (secs, secs + 1))
+
+
+def connection_cap(concurrency: int, wanted: int, nofile: int) -> int:
+    """Each sandbox's bridge connection cap, so that ``concurrency`` sandboxes at their caps fit in ``nofile``
+    descriptors (every bridged connection costs the runner two: the sandbox's side and the proxy's).
+
+    Returns ``wanted`` when it fits, else the largest equal share; raises ConfigError when not even
+    MIN_CONNECTIONS fit.
+    """
+    share = (nofile - FDS_RESERVED) // max(1, concurrency) - FDS_PER_SANDBOX
+    cap = min(wanted, share // 2)
+    if cap < MIN_CONNECTIONS:
+        raise ConfigError(
+            f"{concurrency} sandboxes do not fit in {nofile} file descriptors (each needs {FDS_PER_SANDBOX} plus 2 "
+            f"per bridge connection, at least {MIN_CONNECTIONS}); lower the concurrency or raise `ulimit -n`"
+        )
+    return cap
+
+
+def sandbox_connection_cap(concurrency: int, wanted: int) -> int:
+    """:func:`connection_cap` for this process, after raising its soft RLIMIT_NOFILE as far as needed and allowed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FDS_RESERVED + concurrency * (FDS_PER_SANDBOX + 2 * wanted)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise RLIMIT_NOFILE to %d: %s", target, exc)
+    nofile = need if soft == resource.RLIM_INFINITY else soft
+    cap = connection_cap(concurrency, wanted, nofile)
+    if cap < wanted:
+        logger.warning(
+            "bridge connections per sandbox lowered from %d to %d to fit %d sandboxes in %d descriptors",
+            wanted,
+            cap,
+            concurrency,
+            nofile,
+        )
+    return cap

@@ -31,7 +31,8 @@ from clawpipe.capture import append_result
 from clawpipe.errors import ConfigError, ManifestError, SandboxError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob, get_backend
-from clawpipe.sandbox.bridge import Bridge, parse_proxy_url
+from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
+from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
 from clawpipe.schemas import RolloutStatus
 
@@ -284,7 +285,7 @@ class _Batch:
                 rdir = self.prepare_dir(spec, manifest)
                 job = SandboxJob(spec.id, manifest, rdir, key, spec.model, timeout, manifest.limits)
                 ran = self.backend.run(job, self.bridge)
-                if ran.proxy_unreachable and classify(ran) != RolloutStatus.succeeded:
+                if ran.proxy_unreachable:  # whatever the harness made of failed calls, they were not its fault
                     raise SandboxError(f"the harness could not reach the proxy: {'; '.join(ran.notes)}")
                 outcome = ran
                 break
@@ -303,6 +304,8 @@ class _Batch:
                 break
         if outcome is not None and rdir is not None:
             result.status = classify(outcome)
+            if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a retry
+                result.status = RolloutStatus.infra_error  # would flood again, so it is not retried
             result.exit_code = outcome.exit_code
             result.n_calls = outcome.requests
             result.error = "; ".join(outcome.notes) or None
@@ -412,6 +415,8 @@ def iter_rollouts(
     keep_workdirs: bool = False,
     timeout_s: float | None = None,
     batch_id: str | None = None,
+    bridge_max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    bridge_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
 ) -> Iterator[RolloutResult]:
     """Run rollouts and yield each result as it finishes (order of completion). See :func:`run_rollouts`."""
     spec_list = list(specs)
@@ -436,7 +441,8 @@ def iter_rollouts(
     owned_backend = isinstance(backend, str)
     be = get_backend(backend) if isinstance(backend, str) else backend
     try:
-        with Bridge(proxy_url) as bridge:
+        cap = sandbox_connection_cap(concurrency, bridge_max_connections)
+        with Bridge(proxy_url, max_connections=cap, idle_timeout_s=bridge_idle_timeout_s) as bridge:
             state = _Batch(
                 backend=be,
                 bridge=bridge,
@@ -487,7 +493,9 @@ def run_rollouts(
     captures dir) as soon as it is known. ``backend`` is "bwrap" (default), "docker", "process" or a
     Backend instance. ``progress(result, done, total)`` is called after each rollout. Other options:
     secret, scratch_dir, task_sets (name -> task set, default clawpipe.tasks.get_task_set), harness_dirs,
-    max_attempts (infra retries), keep_workdirs, timeout_s (overrides the manifests'), batch_id.
+    max_attempts (infra retries), keep_workdirs, timeout_s (overrides the manifests'), batch_id,
+    bridge_max_connections (open connections per sandbox; more are refused and make the rollout an infra
+    error; lowered to fit the runner's descriptor limit) and bridge_idle_timeout_s.
     Raises ManifestError/ConfigError before anything runs if a manifest, task or id is invalid.
     """
     spec_list = list(specs)

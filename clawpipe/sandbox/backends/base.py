@@ -101,6 +101,7 @@ class Outcome:
     pids_limited: bool = False
     requests: int = 0  # HTTP requests the bridge forwarded for this sandbox
     proxy_unreachable: int = 0  # connections the bridge could not forward (proxy down): an infra error
+    refused: int = 0  # connections the bridge refused over its per-sandbox cap: an infra error, not retried
     setup_ms: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -218,6 +219,7 @@ def detach_route(bridge: Bridge, route: Route, out: Outcome) -> None:
     out.requests = route.requests
     out.notes.extend(route.errors)
     out.proxy_unreachable = route.unreachable
+    out.refused = route.refused
     bridge.detach(route)
 
 
