@@ -31,7 +31,7 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff format --check clawpipe flows tests bench harnesses
 	$(VENV)/bin/ruff check clawpipe flows tests bench harnesses
-	$(VENV)/bin/mypy clawpipe
+	$(VENV)/bin/mypy clawpipe flows
 	$(VENV)/bin/lint-imports
 
 fmt: setup

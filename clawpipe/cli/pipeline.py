@@ -38,21 +38,23 @@ def run(
     summary_out: Path | None = typer.Option(None, "--summary-out", help="Write the final summary JSON here."),
 ) -> None:
     """Run the main job (the embedded default needs nothing running beforehand)."""
+    from clawpipe.config import get_settings
+    from clawpipe.configfile import write_config
     from clawpipe.pipeline.config import load_config
     from clawpipe.pipeline.stages import check_prerequisites
+    from clawpipe.pipeline.state import new_run_id
 
-    if not resume:  # fail before anything starts: config, harnesses, task sets, sandbox tool
-        check_prerequisites(load_config(config, iterations=iterations, backend=backend))
     cmd = [sys.executable, "-m", "flows.pipeline"]
-    for flag, value in (
-        ("--config", config),
-        ("--iterations", iterations),
-        ("--backend", backend),
-        ("--resume", resume),
-        ("--summary-out", summary_out),
-    ):
-        if value is not None:
-            cmd += [flag, str(value)]
+    if resume:
+        cmd += ["--run-id", resume, "--resume"]
+    else:  # validated once here, before anything starts; the flow reads the same model back
+        cfg = load_config(config, iterations=iterations, backend=backend)
+        check_prerequisites(cfg)
+        run_id = new_run_id(cfg.run_name)
+        path = write_config(cfg, get_settings().runs_dir / run_id / "config.json")
+        cmd += ["--run-id", run_id, "--config-file", str(path)]
+    if summary_out is not None:
+        cmd += ["--summary-out", str(summary_out)]
     raise typer.Exit(subprocess.call(cmd, env=_flows_env()))
 
 
@@ -64,10 +66,14 @@ def deploy(
     api_url: str | None = typer.Option(None, "--api-url", help="Prefect server API URL (default: PREFECT_API_URL)."),
 ) -> None:
     """Needs a Prefect server (`prefect server start --host 127.0.0.1`); an ephemeral one cannot schedule."""
+    import tempfile
+
+    from clawpipe.configfile import write_config
     from clawpipe.pipeline.config import load_config
 
     cfg = load_config(config)
-    cmd = [sys.executable, "-m", "flows.deploy", "--pool", pool, "--name", name, "--config-json", cfg.model_dump_json()]
+    handoff = write_config(cfg, Path(tempfile.mkdtemp(prefix="clawpipe-deploy-")) / "config.json")
+    cmd = [sys.executable, "-m", "flows.deploy", "--pool", pool, "--name", name, "--config-file", str(handoff)]
     if cron:
         cmd += ["--cron", cron]
     env = _flows_env()

@@ -6,12 +6,12 @@ An invalid config fails before anything starts, naming the field and what is all
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from clawpipe.configfile import describe, read_values, validate
 from clawpipe.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -106,34 +106,14 @@ class PipelineConfig(BaseModel):
         return TrainConfig.model_validate(self.train)
 
 
-def _format(exc: ValidationError, source: str) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(config)"
-        parts.append(f"{loc}: {err['msg']}")
-    return f"invalid pipeline config ({source}): " + "; ".join(parts)
-
-
 def load_config(path: str | Path | None = None, **overrides: Any) -> PipelineConfig:
-    """Load a TOML config (or the defaults) and apply CLI overrides (None values are ignored)."""
-    data: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass an existing TOML file or omit --config")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
-        source = str(p)
+    """Load a TOML (or JSON) config, or the defaults, and apply CLI overrides (None values are ignored)."""
+    data = read_values(path, what="config file") if path is not None else {}
+    source = str(path) if path is not None else "defaults"
     data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        cfg = PipelineConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format(exc, source)) from exc
+    cfg = validate(PipelineConfig, data, what=f"pipeline config ({source})")
     try:
         cfg.train_config()
     except ValidationError as exc:
-        raise ConfigError(_format(exc, f"{source}, table train")) from exc
+        raise ConfigError(describe(exc, f"pipeline config ({source}, table train)")) from None
     return cfg

@@ -139,6 +139,10 @@ class Services:
                     p.wait()
         self._procs.clear()
 
+    def endpoints(self) -> dict[str, str]:
+        """What the stages need to reach the services: engine and proxy URLs, the directory served."""
+        return {"serving_url": self.serving_url, "proxy_url": self.proxy_url, "served_dir": str(self.policy_dir)}
+
     def __enter__(self) -> Services:
         return self.start()
 

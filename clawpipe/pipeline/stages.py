@@ -22,12 +22,83 @@ from typing import Any
 from clawpipe.config import Settings
 from clawpipe.errors import ConfigError, TrainingError
 from clawpipe.pipeline.config import PipelineConfig
+from clawpipe.pipeline.services import Services
+from clawpipe.pipeline.state import RunState, new_run_id
 
 log = logging.getLogger(__name__)
 
 
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
+def open_run(
+    settings: Settings, cfg: PipelineConfig | None, *, run_id: str | None, resume: bool, git_revision: str
+) -> RunState:
+    """The run's state: loaded to resume, or new (initial policy built, MLflow run started, config logged).
+
+    Either way the prerequisites (harnesses, task sets, sandbox tool) are checked before anything starts.
+    """
+    from clawpipe.tracking import make_tracker
+
+    if resume:
+        if not run_id:
+            raise ConfigError("resume needs the run id to continue")
+        state = RunState.load(settings.runs_dir, run_id)
+        log.info("resuming run %s at iteration %d", run_id, state.next_iteration)
+        check_prerequisites(PipelineConfig.model_validate(state.config))
+        return state
+    cfg = cfg or PipelineConfig()
+    check_prerequisites(cfg)
+    run_id = run_id or new_run_id(cfg.run_name)
+    state = RunState(run_id=run_id, config=cfg.model_dump(), policy_dir=str(ensure_policy(cfg, settings)))
+    tracker = make_tracker(experiment=cfg.experiment)
+    state.mlflow_run_id = tracker.start_run(run_id, tags={"clawpipe.run_id": run_id, "git": git_revision})
+    tracker.log_params({"run_id": run_id, **cfg.model_dump(), "git_revision": git_revision})
+    state.save(settings.runs_dir)
+    return state
+
+
+def run_services(cfg: PipelineConfig, settings: Settings, state: RunState) -> Services:
+    """The run's engine and proxy (a context manager), serving the state's current policy."""
+    return Services(
+        policy_dir=Path(state.policy_dir),
+        capture_dir=settings.captures_dir,
+        log_dir=settings.runs_dir / state.run_id / "logs",
+        admin_token=settings.admin(),
+        served_name=cfg.served_name,
+        policy_version=state.policy_version,
+        engine=cfg.engine,
+    )
+
+
+def log_run_end(cfg: PipelineConfig, state: RunState, result: dict[str, Any]) -> None:
+    """Close the run's MLflow run with its peak memory and wall time."""
+    from clawpipe.tracking import make_tracker
+
+    tracker = make_tracker(experiment=cfg.experiment)
+    tracker.start_run(mlflow_run_id=state.mlflow_run_id)
+    metrics = {"run/peak_memory_mb": state.peak_memory_mb, "run/seconds": result["seconds"]}
+    tracker.log_metrics(metrics, step=cfg.iterations)
+    tracker.end()
+
+
+def evaluates(cfg: PipelineConfig, iteration: int) -> bool:
+    """Whether held-out evaluation runs after this iteration (every ``eval_every``, and after the last)."""
+    last = iteration == cfg.iterations - 1
+    return bool(cfg.eval_tasks) and (iteration % cfg.eval_every == 0 or last)
+
+
+def progress_logger(logger: Any, label: str, total: int) -> Callable[[Any, int, int], None]:
+    """A rollout progress callback that logs about four lines per batch, naming the last result."""
+    step = max(1, total // 4)
+
+    def progress(result: Any, done: int, total: int) -> None:
+        if done % step == 0 or done == total:
+            status = getattr(result.status, "value", result.status)
+            logger.info("%s %d/%d (last: %s %s reward=%s)", label, done, total, result.harness, status, result.reward)
+
+    return progress
 
 
 def check_prerequisites(cfg: PipelineConfig) -> None:
@@ -194,7 +265,7 @@ def summarize_results(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rewards: dict[str, list[float]] = defaultdict(list)
     statuses: dict[str, int] = defaultdict(int)
     for row in rows:
-        statuses[row["status"]] += 1
+        statuses[str(getattr(row["status"], "value", row["status"]))] += 1
         if row["status"] != "infra_error":
             rewards[row["harness"]].append(float(row["reward"] or 0.0))
     by_harness = {h: {"n": len(v), "reward_mean": sum(v) / len(v)} for h, v in rewards.items()}
@@ -214,6 +285,17 @@ def land_captures(settings: Settings) -> dict[str, Any]:
     return land(settings.captures_dir, settings.lake_dir).as_dict()
 
 
+def landed_fingerprint(settings: Settings, run_id: str, iteration: int) -> str:
+    """Names and sizes of the iteration's landed call and rollout files: the cache key of reconstruction."""
+    from clawpipe.tables import partition_dir
+
+    parts = []
+    for table in ("model_calls", "rollouts"):
+        d = partition_dir(settings.lake_dir, table, run_id, iteration)
+        parts += sorted(f"{p.name}:{p.stat().st_size}" for p in d.glob("*.parquet")) if d.is_dir() else []
+    return ";".join(parts)
+
+
 def reconstruct(settings: Settings, run_id: str, iteration: int) -> dict[str, Any]:
     """Rebuild the iteration's prefix trees (replaces its tree partitions)."""
     from dataclasses import asdict
@@ -225,7 +307,7 @@ def reconstruct(settings: Settings, run_id: str, iteration: int) -> dict[str, An
 
 
 def render_example_tree(
-    settings: Settings, run_id: str, iteration: int, *, tokenizer_dir: Path, out_dir: Path
+    settings: Settings, run_id: str, iteration: int, *, tokenizer_dir: Path, out_dir: Path | None = None
 ) -> dict[str, Any]:
     """Render the iteration's most branched rollout tree: text (for the artifact) and one HTML file."""
     from clawpipe.sqlfiles import sql_text
@@ -240,6 +322,7 @@ def render_example_tree(
     tree_id = str(rows[0][0])
     nodes = read_tree_nodes(settings.lake_dir, tree_id, run_id=run_id, iteration=iteration)
     decode = load_decoder(tokenizer_dir)
+    out_dir = out_dir or settings.runs_dir / run_id / "trees"
     out_dir.mkdir(parents=True, exist_ok=True)
     html = out_dir / f"it{iteration}-{tree_id.replace(':', '-')}.html"
     html.write_text(render_html(nodes, decode=decode))
@@ -262,15 +345,15 @@ def train(
     Harnesses whose manifest sets ``[training] exclude_side_calls = true`` train only on their main lineage
     (``exclude_side_calls_harnesses``), unless ``train.exclude_side_calls_harnesses`` is set in the config.
     """
+    from clawpipe.configfile import write_config
     from clawpipe.sandbox.manifest import find_harness
+    from clawpipe.train.config import make_config
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config_path = out_dir / "train.toml"
     train_values = dict(cfg.train)
     if "exclude_side_calls_harnesses" not in train_values:
         names = dict.fromkeys(h.name for h in cfg.harnesses)
         train_values["exclude_side_calls_harnesses"] = [n for n in names if find_harness(n).exclude_side_calls]
-    config_path.write_text(_toml(train_values))
+    config_path = write_config(make_config(**train_values), out_dir / f"train-config-{iteration}.json")
     metrics_path = out_dir / f"metrics-{iteration}.json"
     cmd = [
         sys.executable,
@@ -295,12 +378,3 @@ def train(
     if proc.returncode != 0:
         raise TrainingError(f"training step failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return dict(json.loads(metrics_path.read_text()))
-
-
-def _toml(values: dict[str, Any]) -> str:
-    lines = []
-    for key, value in values.items():
-        if isinstance(value, dict):
-            raise ConfigError(f"train.{key}: nested tables are not trainer settings")
-        lines.append(f"{key} = {json.dumps(value)}")
-    return "\n".join(lines) + "\n"

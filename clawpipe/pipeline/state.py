@@ -32,6 +32,20 @@ class RunState:
     def next_iteration(self) -> int:
         return len(self.completed)
 
+    def position(self) -> dict[str, Any]:
+        """Where the next iteration starts: the policy (directory and version) and the MLflow run."""
+        return {
+            "policy_dir": self.policy_dir,
+            "policy_version": self.policy_version,
+            "mlflow_run_id": self.mlflow_run_id,
+        }
+
+    def complete(self, summary: dict[str, Any], *, peak_memory_mb: float) -> None:
+        """Record a finished iteration: its summary, and the policy it published."""
+        self.completed.append(summary)
+        self.policy_dir, self.policy_version = summary["policy_dir"], summary["policy_version"]
+        self.peak_memory_mb = max(self.peak_memory_mb, peak_memory_mb)
+
     def save(self, runs_dir: Path) -> Path:
         path = runs_dir / self.run_id / "state.json"
         path.parent.mkdir(parents=True, exist_ok=True)

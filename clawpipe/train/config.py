@@ -7,13 +7,12 @@ and say what to change.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from clawpipe.errors import ConfigError
+from clawpipe.configfile import read_values, validate
 
 Algorithm = Literal["grpo", "ppo"]
 AdvantageMode = Literal["outcome", "tree_local", "tree_global", "tree_local_global"]
@@ -118,17 +117,26 @@ class TrainConfig(BaseModel):
     max_tokens_per_micro_batch: int = Field(
         4096,
         ge=16,
-        description="Token budget of one packed micro-batch; bounds activation and N x N mask memory. A tree "
-        "larger than the budget is split into pieces that repeat their ancestor context.",
+        description="Packing target of one micro-batch (activation memory grows with it). Trees are packed into "
+        "micro-batches of at most this many tokens; a tree larger than it is split into pieces that repeat their "
+        "ancestor context. A path longer than it is never an error: its piece goes into a micro-batch of its own "
+        "(as long as the path). Raise it to let many branches share one long prompt in a micro-batch.",
     )
     attention: Literal["blocks", "dense"] = Field(
         "blocks",
-        description="Attention over a packed row. blocks: block-sparse, each block of queries attends only to its "
-        "ancestors' keys (cost ~ the flat computation's, not n^2). dense: one n x n ancestor mask through the "
-        "model's own attention (sdpa bool mask; additive float mask for eager).",
+        description="Attention over a packed row. blocks: causal kernels on the row's chains and each branch "
+        "attending to its ancestors' keys, memory linear in the row's length (no n x n mask). dense: one n x n "
+        "ancestor mask through the model's own attention (sdpa bool mask; additive float mask for eager), "
+        "n^2 bytes: a reference for short rows.",
     )
     attention_block_tokens: int = Field(
-        128, ge=8, description="Queries per block of the block-sparse tree attention (larger suits GPUs)."
+        128, ge=8, description="Queries per block where a branch attends to its ancestors (larger suits GPUs)."
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(transformers' gradient checkpointing): training memory per token drops to about a layer's input per "
+        "layer (see bench/long_paths.py for the measured saving) for roughly one more forward of compute.",
     )
     skip_statuses: list[str] = Field(
         default_factory=lambda: ["infra_error"],
@@ -187,32 +195,11 @@ class TrainConfig(BaseModel):
 
 def make_config(**values: Any) -> TrainConfig:
     """Build a config, turning validation errors into a ConfigError that names each field."""
-    try:
-        return TrainConfig(**values)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
+    return validate(TrainConfig, values, what=f"training config (fields: {', '.join(TrainConfig.model_fields)})")
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """Read a TOML file (top-level keys or a [train] table), apply overrides, validate."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"training config {p} does not exist; pass an existing TOML file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"training config {p} is not valid TOML: {exc}") from None
-        values = dict(data.get("train", data))
+    """Read a TOML or JSON file (top-level keys or a [train] table), apply overrides, validate."""
+    values = read_values(path, what="training config", table="train") if path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return make_config(**values)
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(x) for x in err["loc"]) or "config"
-        parts.append(f"{where}: {err['msg']}")
-    fields = ", ".join(TrainConfig.model_fields)
-    return "invalid training config: " + "; ".join(parts) + f" (fields: {fields})"

@@ -1,0 +1,120 @@
+"""What a run reports: the summary of each iteration, its metrics and markdown, and the run's final summary.
+
+Pure functions over the stages' results, so the flow only wires them and the tests need no Prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clawpipe.pipeline.state import RunState
+
+_TRAIN_PREFIXES = ("loss/", "reward/", "kl", "entropy")
+
+
+def iteration_summary(
+    iteration: int,
+    *,
+    rollouts: dict[str, Any],
+    trees: dict[str, Any],
+    trained: dict[str, Any],
+    policy_version: int,
+    evaluation: dict[str, Any] | None,
+    seconds: float,
+) -> dict[str, Any]:
+    """One iteration in a JSON-ready dict: rewards (train and eval), statuses, tree sizes, train metrics."""
+    return {
+        "iteration": iteration,
+        "reward_mean": rollouts["reward_mean"],
+        "by_harness": rollouts["by_harness"],
+        "statuses": rollouts["statuses"],
+        "eval_reward_mean": evaluation["reward_mean"] if evaluation else None,
+        "eval_by_harness": evaluation["by_harness"] if evaluation else None,
+        "policy_version": policy_version,
+        "policy_dir": trained["checkpoint"],
+        "trees": {k: trees.get(k) for k in ("n_trees", "flattened_tokens", "unique_tokens", "drift_count")},
+        "train": {k: v for k, v in trained.get("metrics", {}).items() if k.startswith(_TRAIN_PREFIXES)},
+        "seconds": round(seconds, 1),
+    }
+
+
+def iteration_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The MLflow metrics of one iteration: reward overall and per harness, eval reward, wall time."""
+    metrics = {"reward/mean": summary["reward_mean"], "iteration/seconds": summary["seconds"]}
+    for harness, v in summary["by_harness"].items():
+        metrics[f"reward/{harness}"] = v["reward_mean"]
+    if summary["eval_reward_mean"] is not None:
+        metrics["eval/reward_mean"] = summary["eval_reward_mean"]
+        for harness, v in (summary["eval_by_harness"] or {}).items():
+            metrics[f"eval/reward/{harness}"] = v["reward_mean"]
+    return metrics
+
+
+def reward_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of the per-harness reward table artifact."""
+    return [
+        {"harness": h, "rollouts": v["n"], "reward_mean": round(v["reward_mean"], 4)}
+        for h, v in summary["by_harness"].items()
+    ]
+
+
+def iteration_markdown(run_id: str, summary: dict[str, Any], mlflow_run_id: str | None, example: dict[str, Any]) -> str:
+    """The markdown artifact of one iteration, with the most branched rollout tree when there is one."""
+    rows = "\n".join(f"| {h} | {v['n']} | {v['reward_mean']:.3f} |" for h, v in summary["by_harness"].items())
+    tree = ""
+    if example:
+        text = "\n".join(example["text"].splitlines()[:40])
+        tree = (
+            f"## Tree `{example['tree_id']}` (most branched rollout)\n\n```\n{text}\n```\n\n"
+            f"HTML: `{example['html']}`; any tree: `clawpipe trees show <tree_id> --format html`.\n"
+        )
+    return (
+        f"# {run_id}, iteration {summary['iteration']}\n\n"
+        f"MLflow run: `{mlflow_run_id}` (experiment in the MLflow UI)\n\n"
+        f"| harness | rollouts | reward |\n|---|---|---|\n{rows}\n\n"
+        f"policy_version now {summary['policy_version']}; trees {summary['trees']}.\n\n{tree}"
+    )
+
+
+def change(first: float, later: float) -> str:
+    """How ``later`` compares with ``first``: a ratio where the first is positive, a difference otherwise."""
+    if first > 0:
+        return f"x{later / first:.2f}"
+    return f"{later - first:+.3f}"
+
+
+def final_summary(state: RunState, seconds: float) -> dict[str, Any]:
+    """Reward curve (train and greedy eval), first vs last, peak memory; as dict and markdown."""
+    its = state.completed
+    lines = ["| iteration | reward (train) | reward (eval, greedy) | per harness |", "|---|---|---|---|"]
+    for s in its:
+        per = ", ".join(f"{h} {v['reward_mean']:.3f}" for h, v in s["by_harness"].items())
+        ev = "" if s.get("eval_reward_mean") is None else f"{s['eval_reward_mean']:.3f}"
+        lines.append(f"| {s['iteration']} | {s['reward_mean']:.3f} | {ev} | {per} |")
+    first = its[0]["reward_mean"] if its else 0.0
+    last = its[-1]["reward_mean"] if its else 0.0
+    tail = [s["reward_mean"] for s in its[-3:]]
+    last3 = sum(tail) / len(tail) if tail else 0.0
+    md = (
+        f"# clawpipe run {state.run_id}\n\n" + "\n".join(lines) + "\n\n"
+        f"reward first {first:.3f} -> last {last:.3f} ({change(first, last)}; mean of the last 3 iterations "
+        f"{last3:.3f}, {change(first, last3)}); "
+        f"policy_version {state.policy_version}; peak memory of all processes {state.peak_memory_mb:.0f} MB; "
+        f"{seconds:.0f} s. MLflow run {state.mlflow_run_id}.\n"
+    )
+    return {
+        "run_id": state.run_id,
+        "first_reward": first,
+        "last_reward": last,
+        "last3_reward": last3,
+        "iterations": its,
+        "peak_memory_mb": state.peak_memory_mb,
+        "mlflow_run_id": state.mlflow_run_id,
+        "seconds": seconds,
+        "markdown": md,
+    }
+
+
+def slug(text: str) -> str:
+    """A Prefect artifact key part: lower-case letters, digits and dashes, at most 40 characters."""
+    return "".join(c if c.isalnum() else "-" for c in text.lower())[:40]

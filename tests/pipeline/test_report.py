@@ -1,0 +1,66 @@
+"""What a run reports: honest first-vs-last figures, plain status names, and config hand-off to children."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clawpipe.configfile import read_config, write_config
+from clawpipe.errors import ConfigError
+from clawpipe.pipeline.config import PipelineConfig, load_config
+from clawpipe.pipeline.report import change, final_summary, iteration_metrics, iteration_summary
+from clawpipe.pipeline.stages import summarize_results
+from clawpipe.pipeline.state import RunState
+from clawpipe.schemas import RolloutStatus
+
+
+def _summary(iteration: int, reward: float) -> dict:
+    rollouts = {"reward_mean": reward, "by_harness": {"chat-loop": {"n": 4, "reward_mean": reward}}, "statuses": {}}
+    return iteration_summary(
+        iteration,
+        rollouts=rollouts,
+        trees={"n_trees": 2},
+        trained={"checkpoint": f"/ckpt/v{iteration + 1}", "metrics": {"loss/total": 0.5, "step/seconds": 1.0}},
+        policy_version=iteration + 1,
+        evaluation=None,
+        seconds=1.234,
+    )
+
+
+def test_a_zero_first_reward_is_reported_as_a_difference_not_infinity() -> None:
+    state = RunState(run_id="r", config={}, policy_dir="/p")
+    for i, reward in enumerate([0.0, 0.1, 0.2]):
+        state.complete(_summary(i, reward), peak_memory_mb=10.0)
+    md = final_summary(state, 5.0)["markdown"]
+    assert "inf" not in md
+    assert "first 0.000 -> last 0.200 (+0.200;" in md
+    assert change(0.1, 0.2) == "x2.00"
+
+
+def test_statuses_are_counted_by_their_plain_names() -> None:
+    rows = [
+        {"harness": "a", "status": RolloutStatus.succeeded, "reward": 1.0},
+        {"harness": "a", "status": RolloutStatus.succeeded, "reward": 0.0},
+        {"harness": "a", "status": "timeout", "reward": None},
+    ]
+    statuses = summarize_results(rows)["statuses"]
+    assert statuses == {"succeeded": 2, "timeout": 1}
+    assert all(type(k) is str for k in statuses)
+    assert "RolloutStatus" not in str(statuses)
+
+
+def test_iteration_metrics_hold_reward_per_harness_and_only_training_metrics_are_kept() -> None:
+    summary = _summary(0, 0.25)
+    assert summary["train"] == {"loss/total": 0.5}
+    assert summary["seconds"] == 1.2
+    assert iteration_metrics(summary) == {"reward/mean": 0.25, "iteration/seconds": 1.2, "reward/chat-loop": 0.25}
+
+
+def test_a_config_handed_to_a_child_reads_back_equal(tmp_path: Path) -> None:
+    cfg = load_config(iterations=3, backend="process")
+    path = write_config(cfg, tmp_path / "run" / "config.json")
+    assert read_config(PipelineConfig, path) == cfg
+    path.write_text('{"iterations": 0}')
+    with pytest.raises(ConfigError, match="iterations"):
+        read_config(PipelineConfig, path)
