@@ -48,6 +48,16 @@ class Settings(BaseSettings):
     lake_uri: str | None = Field(
         default=None, description="Lake root: a local path or a pyarrow/fsspec URL; default <home>/lake."
     )
+    unsafe_process_checks: bool = Field(
+        default=False,
+        description="Let the process backend (no isolation) run the checks of task sets whose verifier executes "
+        "work-dir code (fixit) as the runner's own user on this host. Only for fully trusted models and harnesses.",
+    )
+    reload_roots: str = Field(
+        default="",
+        description="Directories the serving engine's /admin/reload may load from (os.pathsep-separated, '*' "
+        "matches one folder); default <home>/models and <home>/runs/*/checkpoints.",
+    )
 
     @property
     def root(self) -> Path:

@@ -78,6 +78,12 @@ def serve(
         "--max-prompt-tokens",
         help="Longest prompt a request may send (400 past it; default: the context, up to 65536 tokens).",
     ),
+    reload_root: list[Path] = typer.Option(
+        [],
+        "--reload-root",
+        help="Directory /admin/reload may load checkpoints from (repeatable; '*' matches one folder). Default: "
+        "CLAWPIPE_RELOAD_ROOTS, else <home>/models and <home>/runs/*/checkpoints.",
+    ),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     tool_parser: str = typer.Option("hermes", "--tool-parser", help="vLLM tool-call parser."),
     dry_run: bool = typer.Option(False, "--dry-run", help="vllm: print the command instead of running it."),
@@ -119,6 +125,7 @@ def serve(
         prefix_cache_mb=prefix_cache_mb,
         prefill_chunk_tokens=prefill_chunk_tokens,
         max_prompt_tokens=max_prompt_tokens,
+        reload_roots=list(reload_root) or None,
     )
 
 

@@ -3,6 +3,8 @@ streaming), SSE framing, error bodies, and the steps every API takes (render, ma
 
 from __future__ import annotations
 
+import fnmatch
+import hmac
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,6 +28,55 @@ class ServeOptions:
     admin_token: str | None = None
     default_max_tokens: int = 256  # when a request names none
     max_tokens_cap: int | None = None  # clamp every request's max_tokens (CPU runs behind chatty harnesses)
+    reload_roots: list[str] = field(default_factory=list)  # where /admin/reload may load from ('*': one level)
+
+
+MAX_POLICY_VERSION = 2**31 - 1  # the lake's policy_version column is a 32-bit integer
+
+
+def default_reload_roots() -> list[str]:
+    """The models directory of the clawpipe home and every run's checkpoints directory."""
+    from clawpipe.config import get_settings
+
+    settings = get_settings()
+    return [str(settings.models_dir), str(settings.runs_dir / "*" / "checkpoints")]
+
+
+def under_root(path: Path, roots: list[str]) -> bool:
+    """Whether `path` (already resolved) lies inside one of `roots`; a root's `*` part matches one name."""
+    for root in roots:
+        parts = Path(root).expanduser().parts
+        fixed = next((i for i, p in enumerate(parts) if "*" in p), len(parts))
+        base = Path(*parts[:fixed]).resolve()
+        pattern = (*base.parts, *parts[fixed:])
+        if len(path.parts) >= len(pattern) and all(
+            fnmatch.fnmatchcase(got, want) for got, want in zip(path.parts, pattern, strict=False)
+        ):
+            return True
+    return False
+
+
+def checkpoint_path(raw: Any, roots: list[str]) -> tuple[Path | None, str, int]:
+    """(the resolved checkpoint directory, "", 200), or (None, why not, HTTP status). Symlinks and '..' are
+    resolved first, and each file inside must resolve under an allowed root too (no link to a file elsewhere)."""
+    allowed = ", ".join(roots) or "(none configured)"
+    if not isinstance(raw, str) or not raw:
+        return None, "'path' must name a checkpoint directory", 400
+    try:
+        path = Path(raw).expanduser().resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None, f"'path' must name a checkpoint directory that exists, got {raw!r}", 400
+    if not path.is_dir():
+        return None, f"'path' must name a checkpoint directory, got {raw!r}", 400
+    outside = [p for p in [path, *(f.resolve() for f in path.iterdir())] if not under_root(p, roots)]
+    if outside:
+        return (
+            None,
+            f"reload may only load from {allowed}; {raw!r} resolves to {outside[0]}: save the checkpoint under one "
+            "of them (or start the server with --reload-root)",
+            403,
+        )
+    return path, "", 200
 
 
 # ---------------------------------------------------------------- choice accumulation (shared by all APIs)
@@ -178,7 +229,8 @@ class Routes:
     async def reload(self, request: Request) -> Response:
         token = self.options.admin_token
         auth = request.headers.get("authorization", "")
-        if not token or auth != f"Bearer {token}":
+        # constant time: the comparison must not tell a caller how much of a guess was right
+        if not token or not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
             return openai_error(
                 "admin token missing or wrong: send Authorization: Bearer <admin token>", 401, "auth_error"
             )
@@ -186,17 +238,19 @@ class Routes:
             body = await json_body(request)
         except RequestError as exc:
             return openai_error(str(exc))
-        path = body.get("path")
-        if not isinstance(path, str) or not Path(path).is_dir():
-            return openai_error(f"'path' must name a checkpoint directory that exists, got {path!r}")
         version = body.get("policy_version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            return openai_error("'policy_version' must be an integer")
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_POLICY_VERSION
+        ):
+            return openai_error(f"'policy_version' must be an integer in [0, {MAX_POLICY_VERSION}], got {version!r}")
+        path, why, status = checkpoint_path(body.get("path"), self.options.reload_roots)
+        if path is None:
+            return openai_error(why, status, "permission_error" if status == 403 else "invalid_request_error")
         try:
             new_version = await self.engine.reload(path, version)
         except ServingError as exc:
             return openai_error(str(exc))
-        return JSONResponse({"status": "ok", "policy_version": new_version, "path": path})
+        return JSONResponse({"status": "ok", "policy_version": new_version, "path": str(path)})
 
 
 async def _ending_in_error(gen: AsyncIterator[bytes], anthropic: bool) -> AsyncIterator[bytes]:

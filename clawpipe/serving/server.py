@@ -34,7 +34,7 @@ from clawpipe.serving.anthropic_routes import MessagesRoutes
 from clawpipe.serving.engine import PREFILL_CHUNK, Engine, RequestError, ShuttingDown
 from clawpipe.serving.openai_routes import ChatRoutes
 from clawpipe.serving.responses_routes import ResponsesRoutes
-from clawpipe.serving.routes import ServeOptions, anthropic_error, json_body, openai_error
+from clawpipe.serving.routes import ServeOptions, anthropic_error, default_reload_roots, json_body, openai_error
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +191,23 @@ def _open_engine(
         admin_token=_admin_token(engine_kwargs.pop("admin_token", None)),
         default_max_tokens=engine_kwargs.pop("default_max_tokens", 256),
         max_tokens_cap=engine_kwargs.pop("max_tokens_cap", None),
+        reload_roots=_reload_roots(engine_kwargs.pop("reload_roots", None)),
     )
     engine = Engine(model_dir, **engine_kwargs)
     return engine, opts, listen_socket(host, port)
+
+
+def _reload_roots(roots: list[str | Path] | None) -> list[str]:
+    """The reload allow-list: the roots passed, else CLAWPIPE_RELOAD_ROOTS, else the models and run checkpoints
+    directories of the clawpipe home."""
+    if roots:
+        return [str(r) for r in roots]
+    from clawpipe.config import get_settings
+
+    configured = get_settings().reload_roots
+    if configured:
+        return [r for r in configured.split(os.pathsep) if r]
+    return default_reload_roots()
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -238,8 +252,9 @@ def start_server_process(
         cmd = [sys.executable, "-m", "clawpipe.serving.server", "--model", str(model_dir), "--host", host]
         cmd += ["--port", str(port), "--ready-file", str(ready)]
         for key, value in kwargs.items():
-            if value is not None:
-                cmd += [f"--{key.replace('_', '-')}", str(value)]
+            for v in value if isinstance(value, list | tuple) else [value]:
+                if v is not None:
+                    cmd += [f"--{key.replace('_', '-')}", str(v)]
         env = {**os.environ, "CLAWPIPE_ADMIN_TOKEN": token}
         proc = subprocess.Popen(cmd, env=env)
         deadline = time.monotonic() + timeout_s
@@ -305,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=256)
     p.add_argument("--prefill-chunk-tokens", type=int, default=PREFILL_CHUNK)
     p.add_argument("--max-prompt-tokens", type=int)
+    p.add_argument("--reload-root", action="append", dest="reload_roots")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_server(
@@ -323,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix_cache_mb=a.prefix_cache_mb,
         prefill_chunk_tokens=a.prefill_chunk_tokens,
         max_prompt_tokens=a.max_prompt_tokens,
+        reload_roots=a.reload_roots,
     )
 
 

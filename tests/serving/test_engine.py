@@ -148,7 +148,7 @@ def test_reload_under_load_fails_no_request_and_later_responses_report_the_new_v
     from clawpipe.serving.server import start_server
 
     new_dir = policy.init_policy(tmp_path / "v1", size="tiny", seed=1)
-    handle = start_server(policy_dir, device="cpu", admin_token=ADMIN, max_model_len=2048)
+    handle = start_server(policy_dir, device="cpu", admin_token=ADMIN, max_model_len=2048, reload_roots=[tmp_path])
     try:
         results: list[tuple[float, float, int, int]] = []
         errors: list[BaseException] = []
