@@ -54,6 +54,7 @@ class LandingReport:
     duplicates: int = 0  # calls skipped because their call_id was already landed
     rollouts: int = 0  # result lines landed into rollouts
     rejects: int = 0
+    damaged_bytes: int = 0  # capture bytes in damaged regions (each region is one reject)
     segments: int = 0  # segments read (new bytes found)
     bytes: int = 0  # capture bytes read
     batches: int = 0
@@ -414,6 +415,19 @@ def _merge_rollouts(lake: LakeFS, run_id: str, iteration: int, rows: list[dict[s
 # -- the landing loop --------------------------------------------------------------------------------
 
 
+def _damage_reason(d: sources.Damage) -> str:
+    return (
+        f"damaged capture region: {d.end - d.offset} bytes at offset {d.offset} ({d.reason}); "
+        f"landing resumed at the next intact frame (offset {d.end})"
+    )
+
+
+def _damage_preview(f: Any, d: sources.Damage) -> str:
+    """The first bytes of a damaged region as text, for a person deciding what was lost."""
+    data = os.pread(f.fileno(), min(d.end - d.offset, _RECORD_PREVIEW), d.offset)  # leaves the reader's position
+    return data.decode("utf-8", "replace")
+
+
 def _preview(header: dict[str, Any] | None, payload: bytes) -> str:
     head = orjson.dumps(header).decode() if header is not None else ""
     return f"{head} {payload[:_RECORD_PREVIEW].decode('utf-8', 'replace')}"
@@ -485,10 +499,13 @@ class _Lander:
             batch = self.batch
             for item in sources.read_frames(f, landed, sealed=sealed):
                 if isinstance(item, sources.Damage):
-                    batch.reject(seg.key, item.offset, item.reason, None)
+                    batch.reject(seg.key, item.offset, _damage_reason(item), _damage_preview(f, item))
                     report.rejects += 1
-                    pos = size
-                    break
+                    report.damaged_bytes += item.end - item.offset
+                    n = item.end - pos
+                    pos = item.end
+                    batch.bytes += n
+                    continue
                 header = None
                 try:
                     header, request, response = sources.decode_payload(item.payload)

@@ -1,14 +1,13 @@
 """Incremental readers of the landing sources: capture segments and rollout result files, from a byte offset.
 
-Same format and rules as :mod:`clawpipe.capture` (which reads whole files); these stream one frame at a
-time from where the previous landing stopped, so memory stays flat however large a segment grows.
+Same format and rules as :mod:`clawpipe.capture`; frames stream one at a time from where the previous
+landing stopped, so memory stays flat however large a segment grows.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,22 +17,11 @@ import orjson
 
 from clawpipe import capture
 
-_FRAME = struct.Struct("<4sII")
 _U32 = struct.Struct("<I")
 _READ_BUFFER = 1 << 20
 
-
-@dataclass(slots=True)  # not frozen: a frozen dataclass costs a setattr call per field, per frame
-class Frame:
-    offset: int
-    end: int
-    payload: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Damage:
-    offset: int
-    reason: str
+Frame = capture.Frame
+Damage = capture.Damage
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,36 +66,12 @@ def open_segment(seg: Segment) -> tuple[Any, bool]:
 
 
 def read_frames(f: Any, start: int, *, sealed: bool) -> Iterator[Frame | Damage]:
-    """Intact frames from ``start``. A torn or damaged frame ends the read: in a sealed segment it is
-    yielded as :class:`Damage` (a reject); in an open one it is a write in progress and yields nothing."""
-    f.seek(start)
-    pos = start
-    read = f.read
-    while True:
-        head = read(_FRAME.size)
-        if not head:
-            return
-        if len(head) < _FRAME.size:
-            if sealed:
-                yield Damage(pos, "torn frame header")
-            return
-        magic, length, crc = _FRAME.unpack(head)
-        if magic != capture.MAGIC:
-            if sealed:
-                yield Damage(pos, "bad frame magic")
-            return
-        payload = read(length)
-        if len(payload) < length:
-            if sealed:
-                yield Damage(pos, "torn frame payload")
-            return
-        if zlib.crc32(payload) != crc:
-            if sealed:
-                yield Damage(pos, "frame checksum mismatch")
-            return
-        end = pos + _FRAME.size + length
-        yield Frame(pos, end, payload)
-        pos = end
+    """Intact frames from ``start`` and the damaged regions between them (:func:`clawpipe.capture.scan_frames`).
+
+    Damage after the last intact frame is yielded only for a sealed segment; in an open one it may be a
+    write in progress, and the read stops before it (the next landing looks again).
+    """
+    return capture.scan_frames(capture.FileSource(f), start, final=sealed)
 
 
 def decode_payload(payload: bytes) -> tuple[dict[str, Any], bytes, bytes]:

@@ -8,8 +8,9 @@ that callback, which is the guarantee: *a call whose response reached the harnes
 
 Segments are ``<instance>-<n>.open`` while written and renamed to ``.seg`` when sealed (on rotation by size
 or age, and on shutdown). The writer holds an exclusive ``flock`` on its open segment; on start, every
-``.open`` segment in the directory whose lock is free belongs to a dead writer: its torn tail is cut
-(:func:`clawpipe.capture.recover_segment`) and it is sealed, so a crash loses nothing that was committed.
+``.open`` segment in the directory whose lock is free belongs to a dead writer: its torn tail (an incomplete
+frame after the last intact one) is cut (:func:`clawpipe.capture.recover_segment`) and it is sealed, so a
+crash loses nothing that was committed; damaged frames before that stay for landing to report as rejects.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def test_bad_records_become_rejects_with_position(tmp_path: Path) -> None:
     damaged[-5] ^= 0xFF  # checksum mismatch in a sealed segment
     fx.write_segment(cap / "s-1.seg", [*frames, bytes(damaged), fx.record(call_id="after")])
     rep = land(cap, lake)
-    assert (rep.calls, rep.rejects) == (1, 4)
+    assert (rep.calls, rep.rejects) == (2, 4)  # the record after the damaged one lands too
+    assert _count(lake, "select count(*) from model_calls where call_id = 'after'") == 1
     offsets = [0]
     for f in frames:
         offsets.append(offsets[-1] + len(f))
@@ -88,7 +89,7 @@ def test_bad_records_become_rejects_with_position(tmp_path: Path) -> None:
     assert "rollout_id" in reasons[0]
     assert "not JSON" in reasons[1]
     assert "seq" in reasons[2]
-    assert "checksum" in reasons[3]
+    assert "checksum" in reasons[3] and f"{len(damaged)} bytes" in reasons[3]
     assert "bad1" in rows[0]["record"]
     assert land(cap, lake).rejects == 0  # rejects are not repeated either
     assert _count(lake, "select count(*) from rejects") == 4

@@ -65,6 +65,25 @@ def test_dead_writer_torn_tail_is_cut_and_sealed_on_start(tmp_path: Path, make_p
     assert len(read_captures(cap)) == 3
 
 
+def test_dead_writer_damage_in_the_middle_keeps_every_intact_record(tmp_path: Path, make_proxy, upstream):
+    """Recovery on start cuts only the torn tail: records after a damaged one stay and land."""
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    frames = [capture.encode_record({"call_id": str(i), "rollout_id": "old"}, b"{}", b"{}") for i in range(6)]
+    damaged = bytearray(frames[2])
+    damaged[len(damaged) // 2] ^= 0x10
+    torn = capture.encode_record({"call_id": "torn", "rollout_id": "old"}, b"{}", b"{}")[:-2]
+    dead = cap / "pdead-000000.open"
+    dead.write_bytes(b"".join([*frames[:2], bytes(damaged), *frames[3:]]) + torn)
+    make_proxy([upstream.url], capture_dir=cap)
+    got = list(capture.read_segment(cap / "pdead-000000.seg"))
+    assert [r.header["call_id"] for r in got if isinstance(r, capture.CaptureRecord)] == ["0", "1", "3", "4", "5"]
+    assert [r for r in got if not isinstance(r, capture.CaptureRecord)] == [
+        (sum(map(len, frames[:2])), "frame checksum mismatch")
+    ]
+    assert (cap / "pdead-000000.seg").stat().st_size == sum(map(len, frames))  # only the torn tail was cut
+
+
 def test_live_writers_segment_is_left_alone(tmp_path: Path, make_proxy, upstream):
     cap = tmp_path / "shared"
     a = make_proxy([upstream.url], capture_dir=cap)
