@@ -25,7 +25,7 @@ SETTINGS = prepare_environment()  # offline-safe Prefect/MLflow settings before 
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 from prefect.cache_policies import INPUTS, TASK_SOURCE  # noqa: E402
-from prefect.runtime import flow_run  # noqa: E402
+from prefect.runtime import flow_run, task_run  # noqa: E402
 
 from clawpipe.pipeline import report, stages  # noqa: E402
 from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
@@ -36,7 +36,10 @@ from clawpipe.pipeline.services import publish  # noqa: E402
 # --- tasks: one library call each, retries declared here and nowhere else -------------------------------
 
 
-@task(name="rollout_batch", retries=2, retry_delay_seconds=[2, 10], timeout_seconds=3600)
+ROLLOUT_RETRIES = 2
+
+
+@task(name="rollout_batch", retries=ROLLOUT_RETRIES, retry_delay_seconds=[2, 10], timeout_seconds=3600)
 def rollout_batch(
     cfg: PipelineConfig, run_id: str, iteration: int, policy_version: int, proxy_url: str, evaluation: bool = False
 ) -> dict[str, Any]:
@@ -50,9 +53,14 @@ def rollout_batch(
             inject_fault("rollout_batch", iteration)  # half the batch has written its results
         progress(result, done, total)
 
-    settings = get_settings()
     done = stages.run_rollouts(
-        cfg, specs, proxy_url=proxy_url, settings=settings, batch_id=f"{kind}-{iteration}", progress=on_result
+        cfg,
+        specs,
+        proxy_url=proxy_url,
+        settings=get_settings(),
+        batch_id=f"{kind}-{iteration}",
+        progress=on_result,
+        final_attempt=task_run.run_count > ROLLOUT_RETRIES,
     )
     get_run_logger().info("it %d %s: reward %.3f, statuses %s", iteration, kind, done["reward_mean"], done["statuses"])
     return done

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.config import Settings
-from clawpipe.errors import ConfigError, TrainingError
+from clawpipe.errors import ConfigError, SandboxError, TrainingError
 from clawpipe.pipeline.config import PipelineConfig
 from clawpipe.pipeline.services import Services
 from clawpipe.pipeline.state import RunState, new_run_id
@@ -201,8 +201,13 @@ def run_rollouts(
     settings: Settings,
     batch_id: str,
     progress: Callable[[Any, int, int], None] | None = None,
+    final_attempt: bool = True,
 ) -> dict[str, Any]:
     """Run the specs in sandboxes through the proxy; return counts and rewards per harness.
+
+    Retries live in one place, the caller's (the flow's task retries): the runner tries each rollout once,
+    and when some hit infra errors (a sandbox that would not start, a proxy path that was down) this raises
+    after every result is written, unless ``final_attempt``; the retry then reruns only those rollouts.
 
     Retry-safe (a Prefect retry, or a resumed run after a kill): a rollout that already has a final result
     row in this batch's results file is not run again. One that was cut off has calls captured under its
@@ -246,9 +251,17 @@ def run_rollouts(
         concurrency=cfg.concurrency,
         results_path=results_path,
         progress=progress,
+        max_attempts=1,
         **options,
     )
-    return summarize_results(kept + [r.to_row() for r in results])
+    rows = [r.to_row() for r in results]
+    infra = [row["rollout_id"] for row in rows if str(row["status"]) == "infra_error"]
+    if infra and not final_attempt:
+        raise SandboxError(
+            f"batch {batch_id}: {len(infra)} of {len(rows)} rollouts hit infra errors (first: {infra[0]}); "
+            "their results are written, and retrying the batch reruns only them"
+        )
+    return summarize_results(kept + rows)
 
 
 def _next_attempt(counter: Path) -> int:
