@@ -119,8 +119,9 @@ class TrainConfig(BaseModel):
         ge=16,
         description="Packing target of one micro-batch (activation memory grows with it). Trees are packed into "
         "micro-batches of at most this many tokens; a tree larger than it is split into pieces that repeat their "
-        "ancestor context. A path longer than it is never an error: its piece goes into a micro-batch of its own "
-        "(as long as the path). Raise it to let many branches share one long prompt in a micro-batch.",
+        "ancestor context. A path longer than it is never an error: its tree is cut into pieces of up to that "
+        "path + this many tokens, each in a micro-batch of its own. Raise it to let more branches share one long "
+        "prompt in a micro-batch (attention memory is linear in the row's length).",
     )
     attention: Literal["blocks", "dense"] = Field(
         "blocks",

@@ -14,6 +14,7 @@ coefficients (clawpipe.train.batch).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,14 +41,19 @@ def decoder_of(model: Any) -> Any:
     return getattr(model, prefix, None) or model.get_decoder()
 
 
-def attention_mask_for(model: Any, mb: MicroBatch) -> torch.Tensor:
+def attention_mask_for(model: Any, mb: MicroBatch) -> torch.Tensor | None:
     """Bool 4D masks for sdpa; additive float masks for eager (a bool mask with eager is silently wrong)."""
     mask = mb.attention_mask
-    if mask.dim() == 4 and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+    if mask is not None and mask.dim() == 4 and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
         dtype = next(model.parameters()).dtype
         zero = torch.zeros((), dtype=dtype, device=mask.device)
         return torch.where(mask, zero, torch.finfo(dtype).min)
     return mask
+
+
+def attention_for(model: Any, mb: MicroBatch) -> contextlib.AbstractContextManager[None]:
+    """The attention a micro-batch needs for its forward AND backward (checkpointed layers re-run there)."""
+    return tree_attention(model) if mb.tree is not None else contextlib.nullcontext()
 
 
 def score(
@@ -60,9 +66,9 @@ def score(
 ) -> Scores:
     """Forward the micro-batch; logits (and values) only at the hidden states that predict scored tokens."""
     decoder = decoder_of(model)
-    if mb.blocks is not None:
+    if mb.tree is not None:
         with tree_attention(model):
-            masks = {"full_attention": mb.blocks, "sliding_attention": mb.blocks}
+            masks = {"full_attention": mb.tree, "sliding_attention": mb.tree}
             out = decoder(input_ids=mb.input_ids, attention_mask=masks, position_ids=mb.position_ids, use_cache=False)
     else:
         out = decoder(

@@ -1,17 +1,27 @@
-"""Packing trees into micro-batches of at most ``budget`` tokens, and the flat baseline layout.
-
-Attention over a packed row is block-sparse by default (clawpipe.train.attention: query blocks attend only
-to their ancestors' keys); the dense 4D mask is the fallback (``attention = "dense"``).
+"""Packing trees into micro-batches around a token target, and the flat baseline layout.
 
 Tree layout: each micro-batch is ONE row holding several trees (or pieces of a tree) back to back,
-parent-first; position_ids = depth; a 4D mask [1, 1, n, n] where row i allows exactly i's ancestors and
-i itself (block-diagonal across trees). No padding is needed, so no padding position ever attends or is
-attended. A tree larger than the budget is cut into pieces: each piece owns a set of tokens (their loss
-contributions live there) and repeats, as plain context, the ancestors it needs; every owned token thus
-sees exactly its own prefix, as in the flat computation. A dense bool mask costs n^2 bytes (16 MB at the
-default 4096 tokens): the budget bounds it.
+parent-first and depth-first (each branch contiguous); position_ids = depth. No padding is needed, so no
+padding position ever attends or is attended. Attention over the row follows the tree
+(clawpipe.train.attention): causal kernels on its chains, each branch seeing its ancestors' keys, in memory
+linear in the row's length; ``attention = "dense"`` instead passes one [1, 1, n, n] ancestor mask (row i
+allows exactly i's ancestors and i itself) through the model's own attention, n^2 bytes, as a reference.
 
-Flat layout (the baseline): one row per sequence, right-padded, ordinary causal attention.
+``max_tokens_per_micro_batch`` is a packing target, not a limit. Trees are bin-packed into rows of at most
+the target; a tree larger than the target is cut into pieces that each own a set of tokens (their loss
+contributions live there) and repeat, as plain context, the ancestors they need, so every owned token sees
+exactly its own prefix, as in the flat computation. A tree whose longest path L is longer than the target
+is cut into pieces of up to L + target tokens instead (the path, plus up to a target's worth of branches
+sharing its context, which would otherwise repeat that context), and such a piece goes into a micro-batch
+of its own: a path is never an error, and a micro-batch exceeds the target only where a path forces it.
+Why a micro-batch of its own rather than chunks that carry the context's keys and values: the whole path
+then runs through the model's ordinary forward and backward (gradients reach the context through
+attention as usual, with nothing held across separate backward passes), the loss stays exactly the flat
+one, and with linear-memory attention (and optional activation checkpointing) a long path costs memory
+in proportion to its length.
+
+Flat layout (the baseline): one row per sequence, right-padded, ordinary causal attention; rows are
+grouped so that rows x longest <= the target, and a longer sequence is a group of its own.
 """
 
 from __future__ import annotations
@@ -21,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from clawpipe.errors import TrainingError
-from clawpipe.train.attention import TreeBlocks, build_blocks
+from clawpipe.train.attention import TreeAttention, build_plan, dense_mask
 from clawpipe.train.batch import TrainBatch
 from clawpipe.train.data import TrainTree
 
@@ -33,35 +42,48 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # (B, L) int64
     position_ids: torch.Tensor  # (B, L) int64
-    attention_mask: torch.Tensor  # (1, 1, L, L) bool for tree rows; (B, L) int64 for flat rows
+    attention_mask: torch.Tensor | None  # (B, L) int64 for flat rows; (1, 1, L, L) bool for dense tree rows
     score_rows: torch.Tensor  # (S,) int64 flat index into B*L of the hidden state predicting each scored token
     score_targets: torch.Tensor  # (S,) int64 the scored token ids
     contrib_index: np.ndarray  # (C_mb,) indices into TrainBatch.contrib
     contrib_score: torch.Tensor  # (C_mb,) int64 index of each contribution's scored token
     n_tokens: int  # real (non-padding) tokens in the forward
-    blocks: TreeBlocks | None = None  # block-sparse tree attention (tree rows, attention = "blocks")
+    tree: TreeAttention | None = None  # tree rows with attention = "blocks" (no mask tensor then)
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
             self.input_ids.to(device),
             self.position_ids.to(device),
-            self.attention_mask.to(device),
+            self.attention_mask.to(device) if self.attention_mask is not None else None,
             self.score_rows.to(device),
             self.score_targets.to(device),
             self.contrib_index,
             self.contrib_score.to(device),
             self.n_tokens,
-            self.blocks.to(device) if self.blocks is not None else None,
+            self.tree,
         )
 
 
+def longest_path(tree: TrainTree) -> int:
+    """Tokens on the tree's longest root-to-token path."""
+    return int(tree.depth.max()) + 1 if tree.n_tokens else 0
+
+
+def piece_capacity(tree: TrainTree, budget: int) -> int:
+    """Tokens one piece of the tree may hold: the budget, or longest path + budget when a path exceeds it."""
+    longest = longest_path(tree)
+    return budget if longest <= budget else longest + budget
+
+
 def split_tree(tree: TrainTree, owned: np.ndarray, budget: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Cut a tree into pieces of <= budget tokens: [(positions depth-first, owned scored positions)].
+    """Cut a tree into pieces of <= piece_capacity tokens: [(positions depth-first, owned positions)].
 
     Tokens are taken depth first; a piece that cannot take a token's missing ancestors plus the token is
-    closed and a new one starts with the token's full ancestor chain (context only).
+    closed and a new one starts with the token's full ancestor chain (context only). The capacity is at
+    least the longest path, so that chain always fits.
     """
     order = dfs_order(tree)
+    budget = piece_capacity(tree, budget)
     if tree.n_tokens <= budget:
         return [(order, owned)]
     rank = np.empty(tree.n_tokens, dtype=np.int64)
@@ -85,11 +107,6 @@ def split_tree(tree: TrainTree, owned: np.ndarray, budget: int) -> list[tuple[np
             while p >= 0:
                 missing.append(p)
                 p = prev[p]
-            if len(missing) + 1 > budget:
-                raise TrainingError(
-                    f"tree {tree.tree_id}: a path of {len(missing) + 1} tokens exceeds max_tokens_per_micro_batch "
-                    f"= {budget}; raise the budget above the longest sequence"
-                )
         members.update(missing)
         members.add(v)
     if members:
@@ -121,8 +138,9 @@ def dfs_order(tree: TrainTree) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
-def pack_trees(batch: TrainBatch, budget: int, block: int | None = None) -> list[MicroBatch]:
-    """Tree layout: pieces bin-packed (first fit decreasing) into one-row micro-batches of <= budget tokens."""
+def pack_trees(batch: TrainBatch, budget: int, *, attention: str = "blocks", block: int = 128) -> list[MicroBatch]:
+    """Tree layout: pieces bin-packed (first fit decreasing) into one-row micro-batches of <= budget tokens;
+    a piece longer than the budget (a long path) is a micro-batch of its own."""
     c = batch.contrib
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (tree, positions, owned)
     for ti, tree in enumerate(batch.trees):
@@ -142,17 +160,17 @@ def pack_trees(batch: TrainBatch, budget: int, block: int | None = None) -> list
         else:
             bins.append([k])
             sizes.append(len(positions))
-    return [_tree_micro_batch(batch, [pieces[k] for k in b], block) for b in bins]
+    return [_tree_micro_batch(batch, [pieces[k] for k in b], attention, block) for b in bins]
 
 
 def _tree_micro_batch(
-    batch: TrainBatch, pieces: list[tuple[int, np.ndarray, np.ndarray]], block: int | None
+    batch: TrainBatch, pieces: list[tuple[int, np.ndarray, np.ndarray]], attention: str, block: int
 ) -> MicroBatch:
     c = batch.contrib
     n = sum(len(p[1]) for p in pieces)
     ids = np.empty(n, dtype=np.int64)
     pos_ids = np.empty(n, dtype=np.int64)
-    allowed = np.zeros((n, n), dtype=bool)
+    parent = np.empty(n, dtype=np.int64)  # row of each token's parent in this row, -1 for a root
     rows, targets, contrib_index, contrib_score = [], [], [], []
     offset = 0
     n_scored = 0
@@ -164,12 +182,7 @@ def _tree_micro_batch(
         ids[offset : offset + m] = tree.token_ids[positions]
         pos_ids[offset : offset + m] = tree.depth[positions]
         lprev = tree.prev[positions]
-        lprev = np.where(lprev >= 0, local[np.maximum(lprev, 0)], -1).tolist()
-        sub = allowed[offset : offset + m, offset : offset + m]
-        for i, p in enumerate(lprev):  # row i = row of its parent + itself (parents come first)
-            if p >= 0:
-                sub[i] = sub[p]
-            sub[i, i] = True
+        parent[offset : offset + m] = np.where(lprev >= 0, offset + local[np.maximum(lprev, 0)], -1)
         # scored tokens: owned positions; their hidden state is the parent's
         rows.append(offset + local[tree.prev[own]])
         targets.append(tree.token_ids[own])
@@ -181,21 +194,23 @@ def _tree_micro_batch(
         contrib_index.append(sel)
         contrib_score.append(score_of[c.pos[sel]])
         offset += m
+    dense = attention == "dense"
     return MicroBatch(
         input_ids=torch.from_numpy(ids)[None],
         position_ids=torch.from_numpy(pos_ids)[None],
-        attention_mask=torch.from_numpy(allowed)[None, None],
+        attention_mask=torch.from_numpy(dense_mask(parent))[None, None] if dense else None,
         score_rows=torch.from_numpy(np.concatenate(rows)),
         score_targets=torch.from_numpy(np.concatenate(targets)),
         contrib_index=np.concatenate(contrib_index),
         contrib_score=torch.from_numpy(np.concatenate(contrib_score)),
         n_tokens=n,
-        blocks=build_blocks(allowed, block) if block else None,
+        tree=None if dense else build_plan(parent, block),
     )
 
 
 def pack_flat(batch: TrainBatch, budget: int, pad_id: int = 0) -> list[MicroBatch]:
-    """Flat layout: one right-padded row per sequence, rows grouped so that rows x longest <= budget."""
+    """Flat layout: one right-padded row per sequence, rows grouped so that rows x longest <= budget (a
+    longer sequence is a group of its own)."""
     c = batch.contrib
     lengths = np.asarray([len(s.positions) for _, s in batch.sequences])
     order = np.argsort(-lengths, kind="stable").tolist()
@@ -206,10 +221,6 @@ def pack_flat(batch: TrainBatch, budget: int, pad_id: int = 0) -> list[MicroBatc
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
             groups[-1].append(k)
         else:
-            if lengths[k] > budget:
-                raise TrainingError(
-                    f"a sequence of {lengths[k]} tokens exceeds max_tokens_per_micro_batch = {budget}; raise it"
-                )
             groups.append([k])
     out = []
     for g in groups:

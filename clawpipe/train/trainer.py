@@ -21,7 +21,7 @@ from clawpipe.errors import ConfigError
 from clawpipe.train import advantages as adv_mod
 from clawpipe.train.batch import TrainBatch
 from clawpipe.train.config import TrainConfig
-from clawpipe.train.losses import TermInputs, contribution_loss, score
+from clawpipe.train.losses import TermInputs, attention_for, contribution_loss, score
 from clawpipe.train.packing import MicroBatch, pack_flat, pack_trees
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,15 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Checkpoint every decoder layer (non-reentrant: it passes the tree attention's plan argument through)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; older: the previous name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class Trainer:
@@ -55,6 +64,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model = model.to(self.device)
         self.model.train()
+        if config.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
         self.policy_version = policy_version
         if config.algorithm == "ppo" and value_head is None:
             value_head = torch.nn.Linear(model.config.hidden_size, 1)
@@ -78,12 +89,20 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------
     def pack(self, batch: TrainBatch, layout: str = "tree") -> list[MicroBatch]:
-        budget = self.config.max_tokens_per_micro_batch
+        cfg = self.config
+        budget = cfg.max_tokens_per_micro_batch
         if layout == "tree":
-            block = self.config.attention_block_tokens if self.config.attention == "blocks" else None
-            mbs = pack_trees(batch, budget, block)
+            mbs = pack_trees(batch, budget, attention=cfg.attention, block=cfg.attention_block_tokens)
         else:
             mbs = pack_flat(batch, budget)
+        over = [mb.n_tokens for mb in mbs if mb.n_tokens > budget]
+        if over:
+            log.info(
+                "%d micro-batch(es) above max_tokens_per_micro_batch = %d for paths longer than it (longest %d tokens)",
+                len(over),
+                budget,
+                max(over),
+            )
         return [mb.to(self.device) for mb in mbs]
 
     def _autocast(self) -> torch.autocast:
@@ -144,48 +163,54 @@ class Trainer:
         self, batch: TrainBatch, mbs: list[MicroBatch], *, epoch: int = 0, state: dict | None = None
     ) -> dict[str, float]:
         """Forward + backward over all micro-batches (gradients accumulate); returns summed loss parts."""
-        cfg = self.config
-        c = batch.contrib
         state = state if state is not None else self.prepare(batch, mbs)
-        dev = self.device
         sums: dict[str, float] = defaultdict(float)
         for mb in mbs:
-            idx = mb.contrib_index
-            s = self._score(self.model, mb, self.value_head)
-            lp = s.logprob[mb.contrib_score]  # (C_mb,)
-            if epoch == 0:
-                state["prox"][idx] = lp.detach().float().cpu().numpy()
-                current = ~c.stale[idx]
-                if current.any():
-                    diff = np.abs(state["prox"][idx][current] - c.old_logprob[idx][current])
-                    sums["logprob/max_abs_diff_current"] = max(sums["logprob/max_abs_diff_current"], float(diff.max()))
-                    sums["_diff_sum"] += float(diff.sum())
-                    sums["_diff_n"] += float(current.sum())
-
-            def t(a: np.ndarray, i: np.ndarray = idx) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(a[i])).to(dev)
-
-            x = TermInputs(
-                logprob=lp,
-                old_logprob=t(c.old_logprob),
-                prox_logprob=t(state["prox"]),
-                stale=t(c.stale),
-                adv=t(state.get("adv", c.adv)).float(),
-                coef=t(c.coef).float(),
-                entropy=s.entropy[mb.contrib_score],
-                ref_logprob=t(state["ref"]) if "ref" in state else None,
-                value=s.value[mb.contrib_score] if s.value is not None else None,
-                v_old=t(state["v_old"]) if "v_old" in state else None,
-                returns=t(state["returns"]) if "returns" in state else None,
-            )
-            loss, parts = contribution_loss(x, cfg)
-            loss.backward()
+            with attention_for(self.model, mb):  # checkpointed layers re-run their attention in backward
+                parts = self._accumulate_one(batch, mb, epoch, state)
             for k, v in parts.items():
-                if k == "ratio_max":
-                    sums[k] = max(sums[k], float(v))
+                if k in ("ratio_max", "logprob/max_abs_diff_current"):
+                    sums[k] = max(sums[k], v)
                 else:
-                    sums[k] += float(v)
+                    sums[k] += v
         return dict(sums)
+
+    def _accumulate_one(self, batch: TrainBatch, mb: MicroBatch, epoch: int, state: dict) -> dict[str, float]:
+        """Forward + backward of one micro-batch; its loss parts (and logprob drift on the first epoch)."""
+        c = batch.contrib
+        idx = mb.contrib_index
+        out: dict[str, float] = {}
+        s = self._score(self.model, mb, self.value_head)
+        lp = s.logprob[mb.contrib_score]  # (C_mb,)
+        if epoch == 0:
+            state["prox"][idx] = lp.detach().float().cpu().numpy()
+            current = ~c.stale[idx]
+            if current.any():
+                diff = np.abs(state["prox"][idx][current] - c.old_logprob[idx][current])
+                out["logprob/max_abs_diff_current"] = float(diff.max())
+                out["_diff_sum"] = float(diff.sum())
+                out["_diff_n"] = float(current.sum())
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a[idx])).to(self.device)
+
+        x = TermInputs(
+            logprob=lp,
+            old_logprob=t(c.old_logprob),
+            prox_logprob=t(state["prox"]),
+            stale=t(c.stale),
+            adv=t(state.get("adv", c.adv)).float(),
+            coef=t(c.coef).float(),
+            entropy=s.entropy[mb.contrib_score],
+            ref_logprob=t(state["ref"]) if "ref" in state else None,
+            value=s.value[mb.contrib_score] if s.value is not None else None,
+            v_old=t(state["v_old"]) if "v_old" in state else None,
+            returns=t(state["returns"]) if "returns" in state else None,
+        )
+        loss, parts = contribution_loss(x, self.config)
+        loss.backward()
+        out.update({k: float(v) for k, v in parts.items()})
+        return out
 
     def prepare(self, batch: TrainBatch, mbs: list[MicroBatch]) -> dict:
         """Per-step state: proximal logprobs slot, reference logprobs, PPO values/advantages/returns."""
@@ -219,6 +244,7 @@ class Trainer:
         mbs = self.pack(batch, layout)
         metrics["micro_batches"] = float(len(mbs))
         metrics["tokens/forward"] = float(sum(mb.n_tokens for mb in mbs))
+        metrics["tokens/largest_micro_batch"] = float(max(mb.n_tokens for mb in mbs))
         state = self.prepare(batch, mbs)
         if "adv" in state:
             metrics["advantage/mean"] = float(np.mean(state["adv"]))

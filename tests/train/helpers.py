@@ -68,6 +68,26 @@ def random_group_trees(
     return trees, infos
 
 
+def long_path_group_tree(
+    group: int, *, trunk: int, long_turns: tuple[int, ...], short: tuple[int, int] = (3, 8), seed: int = 3
+) -> tuple[TrainTree, dict[str, RolloutInfo]]:
+    """A group tree with one long multi-turn rollout (its last call's path is about trunk + sum(long_turns)
+    tokens) and three single-call rollouts of short[0] to short[1] tokens branching off the same trunk."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, VOCAB, trunk).tolist()
+    seqs, infos = [], {}
+    for i in range(4):
+        rid = f"g{group}r{i}"
+        infos[rid] = RolloutInfo(rid, f"g{group}", "alpha", float(i % 3) / 2)
+        ctx = list(prompt)
+        for n in long_turns if i == 0 else (int(rng.integers(*short)),):
+            comp = rng.integers(1, VOCAB, n // 2).tolist()
+            lps = (-rng.random(len(comp)) * 3).tolist()
+            seqs.append(dict(tokens=ctx + comp, n_prompt=len(ctx), rollout_id=rid, old_logprobs=lps, policy_version=3))
+            ctx = ctx + comp + rng.integers(1, VOCAB, n - n // 2).tolist()  # tool output
+    return build_tree(f"tree-long{group}", seqs), infos
+
+
 def set_rewards(infos: dict[str, RolloutInfo], rewards: dict[str, float]) -> None:
     for rid, r in rewards.items():
         infos[rid].reward = r

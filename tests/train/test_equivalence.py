@@ -10,7 +10,13 @@ import torch
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import make_config
 from clawpipe.train.trainer import Trainer
-from tests.train.helpers import flat_reference_loss, random_group_trees, set_rewards, tiny_model
+from tests.train.helpers import (
+    flat_reference_loss,
+    long_path_group_tree,
+    random_group_trees,
+    set_rewards,
+    tiny_model,
+)
 
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "per-rollout-mean"]
 ADVANTAGES = ["outcome", "tree_local", "tree_global", "tree_local_global"]
@@ -129,3 +135,88 @@ def test_micro_batching_does_not_change_the_step(data):
     assert float((weights[0] - weights[1]).abs().max()) < 1e-5
     initial = torch.cat([p.detach().flatten() for p in tiny_model(0).parameters()])
     assert float((weights[0] - initial).abs().max()) > 1e-4  # the step did move the weights
+
+
+LONG_BUDGET = 48  # the long rollout's last path is 140 tokens; the other trees fit
+
+
+@pytest.fixture(scope="module")
+def long_data(data):
+    trees, infos = data
+    # 60 + 80 tokens on the long path and three 20-30 token branches: more than path + budget, so the long
+    # tree itself is cut into two oversized pieces, the second repeating the trunk as context
+    tree, more = long_path_group_tree(2, trunk=60, long_turns=(30, 40, 20), short=(40, 60))
+    return [*trees, tree], {**infos, **more}
+
+
+def assert_long_path_alone(trainer, batch, budget):
+    """The long tree's micro-batch exceeds the target and holds nothing else; the others keep to it."""
+    mbs = trainer.pack(batch, "tree")
+    longest = max(int(t.depth.max()) + 1 for t in batch.trees)
+    assert longest > budget
+    over = [mb for mb in mbs if mb.n_tokens > budget]
+    assert len(over) == 2 and all(len(set(batch.contrib.tree[mb.contrib_index])) == 1 for mb in over)
+    assert max(mb.n_tokens for mb in over) >= longest
+    assert all(mb.n_tokens <= longest + budget for mb in over)
+    if trainer.config.attention == "blocks":  # no n x n mask on the linear-memory path
+        assert all(mb.attention_mask is None and mb.tree is not None for mb in mbs)
+
+
+@pytest.mark.parametrize("attention", ["blocks", "dense"])
+def test_grpo_path_longer_than_the_target(long_data, attention):
+    """A path longer than max_tokens_per_micro_batch trains (no error) and the packed loss and gradients still
+    equal the flat computation, with trees split into pieces around it."""
+    trees, infos = long_data
+    cfg = make_config(
+        attention=attention,
+        attention_block_tokens=8,
+        max_tokens_per_micro_batch=LONG_BUDGET,
+        aggregation="seq-mean-token-mean",
+        entropy_coef=0.05,
+    )
+    model = tiny_model(0, attn="eager")
+    batch, sums, ref, pg, fg = packed_and_flat(model, trees, infos, cfg)
+    assert_long_path_alone(Trainer(tiny_model(0), cfg, policy_version=3), batch, LONG_BUDGET)
+    assert_close(sums, ref, pg, fg)
+
+
+def test_ppo_path_longer_than_the_target(long_data):
+    """PPO with a path longer than the target: tree layout == flat layout (the flat row of the long sequence
+    is a group of its own), and == the tree layout at a budget large enough for everything."""
+    trees, infos = long_data
+    results = []
+    for layout, budget in (("tree", LONG_BUDGET), ("flat", LONG_BUDGET), ("tree", 4096)):
+        cfg = make_config(algorithm="ppo", max_tokens_per_micro_batch=budget, attention_block_tokens=8)
+        batch = build_batch(trees, infos, cfg, policy_version=3)
+        head = torch.nn.Linear(32, 1)
+        torch.nn.init.normal_(head.weight, std=0.3)
+        trainer = Trainer(tiny_model(0), cfg, policy_version=3, value_head=head)
+        if budget == LONG_BUDGET and layout == "tree":
+            assert_long_path_alone(trainer, batch, LONG_BUDGET)
+        trainer.optimizer.zero_grad()
+        sums = trainer.accumulate(batch, trainer.pack(batch, layout))
+        results.append((sums, [p.grad.clone() for p in trainer.params]))
+    s0, g0 = results[0]
+    assert s0["loss/value"] > 0
+    for s, g in results[1:]:
+        assert abs(s0["loss/total"] - s["loss/total"]) <= TOL
+        assert max(float((a - b).abs().max()) for a, b in zip(g0, g, strict=True)) <= TOL
+
+
+def test_activation_checkpointing_gives_the_same_gradients(long_data):
+    """Checkpointed layers recompute the tree attention in backward: same loss and gradients as without."""
+    trees, infos = long_data
+    results = []
+    for ckpt in (False, True):
+        cfg = make_config(
+            max_tokens_per_micro_batch=LONG_BUDGET, attention_block_tokens=8, activation_checkpointing=ckpt
+        )
+        batch = build_batch(trees, infos, cfg, policy_version=3)
+        trainer = Trainer(tiny_model(0), cfg, policy_version=3)
+        assert trainer.model.is_activation_checkpointing == ckpt
+        trainer.optimizer.zero_grad()
+        sums = trainer.accumulate(batch, trainer.pack(batch, "tree"))
+        results.append((sums, [p.grad.clone() for p in trainer.params]))
+    (s1, g1), (s2, g2) = results
+    assert abs(s1["loss/total"] - s2["loss/total"]) <= TOL
+    assert max(float((a - b).abs().max()) for a, b in zip(g1, g2, strict=True)) <= TOL
