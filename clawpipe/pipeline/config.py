@@ -61,7 +61,13 @@ class PipelineConfig(BaseModel):
     groups: int = Field(default=8, ge=1, description="GRPO groups (distinct tasks) per harness per iteration.")
     samples: int = Field(default=4, ge=1, description="Rollouts per group (the GRPO group size).")
     eval_tasks: int = Field(
-        default=4, ge=0, description="Held-out tasks per harness evaluated greedily each iteration."
+        default=4, ge=0, description="Held-out tasks per harness evaluated each evaluation iteration."
+    )
+    eval_samples: int = Field(
+        default=4,
+        ge=0,
+        description="Rollouts per held-out task at the sampling temperature, beside one greedy rollout: their "
+        "mean shows learning long before greedy decoding of a small policy does.",
     )
     eval_every: int = Field(default=5, ge=1, description="Evaluate every N iterations (and after the last).")
     seed: int = Field(default=0, description="Seed of task sampling and the default policy.")

@@ -28,7 +28,8 @@ def iteration_summary(
         "reward_mean": rollouts["reward_mean"],
         "by_harness": rollouts["by_harness"],
         "statuses": rollouts["statuses"],
-        "eval_reward_mean": evaluation["reward_mean"] if evaluation else None,
+        "eval_reward_mean": _mode(evaluation, "greedy"),
+        "eval_sampled_reward_mean": _mode(evaluation, "sampled"),
         "eval_by_harness": evaluation["by_harness"] if evaluation else None,
         "policy_version": policy_version,
         "policy_dir": trained["checkpoint"],
@@ -38,15 +39,20 @@ def iteration_summary(
     }
 
 
+def _mode(evaluation: dict[str, Any] | None, mode: str) -> float | None:
+    return evaluation.get("by_mode", {}).get(mode) if evaluation else None
+
+
 def iteration_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The MLflow metrics of one iteration: reward overall and per harness, eval reward, wall time."""
     metrics = {"reward/mean": summary["reward_mean"], "iteration/seconds": summary["seconds"]}
     for harness, v in summary["by_harness"].items():
         metrics[f"reward/{harness}"] = v["reward_mean"]
-    if summary["eval_reward_mean"] is not None:
-        metrics["eval/reward_mean"] = summary["eval_reward_mean"]
-        for harness, v in (summary["eval_by_harness"] or {}).items():
-            metrics[f"eval/reward/{harness}"] = v["reward_mean"]
+    for key, name in (("eval_reward_mean", "eval/reward_greedy"), ("eval_sampled_reward_mean", "eval/reward_sampled")):
+        if summary.get(key) is not None:
+            metrics[name] = summary[key]
+    for harness, v in (summary["eval_by_harness"] or {}).items():
+        metrics[f"eval/reward/{harness}"] = v["reward_mean"]
     return metrics
 
 
@@ -86,19 +92,24 @@ def change(first: float, later: float) -> str:
 def final_summary(state: RunState, seconds: float) -> dict[str, Any]:
     """Reward curve (train and greedy eval), first vs last, peak memory; as dict and markdown."""
     its = state.completed
-    lines = ["| iteration | reward (train) | reward (eval, greedy) | per harness |", "|---|---|---|---|"]
+    lines = [
+        "| iteration | reward (train) | reward (eval, sampled) | reward (eval, greedy) | per harness |",
+        "|---|---|---|---|---|",
+    ]
     for s in its:
         per = ", ".join(f"{h} {v['reward_mean']:.3f}" for h, v in s["by_harness"].items())
-        ev = "" if s.get("eval_reward_mean") is None else f"{s['eval_reward_mean']:.3f}"
-        lines.append(f"| {s['iteration']} | {s['reward_mean']:.3f} | {ev} | {per} |")
+        sampled, greedy = (_cell(s.get(k)) for k in ("eval_sampled_reward_mean", "eval_reward_mean"))
+        lines.append(f"| {s['iteration']} | {s['reward_mean']:.3f} | {sampled} | {greedy} | {per} |")
     first = its[0]["reward_mean"] if its else 0.0
     last = its[-1]["reward_mean"] if its else 0.0
     tail = [s["reward_mean"] for s in its[-3:]]
     last3 = sum(tail) / len(tail) if tail else 0.0
+    evals = [s["eval_sampled_reward_mean"] for s in its if s.get("eval_sampled_reward_mean") is not None]
+    held_out = f"held-out (sampled) first {evals[0]:.3f} -> last {evals[-1]:.3f}; " if evals else ""
     md = (
         f"# clawpipe run {state.run_id}\n\n" + "\n".join(lines) + "\n\n"
         f"reward first {first:.3f} -> last {last:.3f} ({change(first, last)}; mean of the last 3 iterations "
-        f"{last3:.3f}, {change(first, last3)}); "
+        f"{last3:.3f}, {change(first, last3)}); {held_out}"
         f"policy_version {state.policy_version}; peak memory of all processes {state.peak_memory_mb:.0f} MB; "
         f"{seconds:.0f} s. MLflow run {state.mlflow_run_id}.\n"
     )
@@ -107,12 +118,18 @@ def final_summary(state: RunState, seconds: float) -> dict[str, Any]:
         "first_reward": first,
         "last_reward": last,
         "last3_reward": last3,
+        "eval_sampled_first": evals[0] if evals else None,
+        "eval_sampled_last": evals[-1] if evals else None,
         "iterations": its,
         "peak_memory_mb": state.peak_memory_mb,
         "mlflow_run_id": state.mlflow_run_id,
         "seconds": seconds,
         "markdown": md,
     }
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
 
 
 def slug(text: str) -> str:

@@ -165,31 +165,31 @@ def sample_specs(
         harness: Any = find_harness(h.name).with_env(h.env) if h.env else h.name
         if evaluation:
             tasks = task_set.generate(cfg.eval_tasks, seed=cfg.seed, split="eval")
-            samples = 1
+            # one greedy rollout and eval_samples at the task's own temperature, as groups of their own
+            modes = [("eval.greedy.", 1, {"temperature": 0.0}), ("eval.sampled.", cfg.eval_samples, {})]
         else:
             tasks = task_set.generate(h.groups or cfg.groups, seed=_seed(cfg.seed, iteration, h.name), split="train")
-            samples = cfg.samples
+            modes = [("", cfg.samples, {})]
         for task in tasks:
-            if evaluation:
-                task = {**task, "sampling": {**task.get("sampling", {}), "temperature": 0.0}}
-            # unique within the run (a task can be drawn again in a later iteration), so rollout ids
-            # (<group_id>.<sample>) join across tables without the iteration
-            prefix = "eval." if evaluation else ""
-            group_id = f"{prefix}it{iteration}.{h.name}.{task['task_id']}"
-            for k in range(samples):
-                specs.append(
-                    RolloutSpec(
-                        run_id=run_id,
-                        iteration=iteration,
-                        harness=harness,
-                        task=task,
-                        model=cfg.served_name,
-                        group_id=group_id,
-                        sample_idx=k,
-                        policy_version=policy_version,
-                        eval=evaluation,
+            for prefix, samples, sampling in modes:
+                run_task = {**task, "sampling": {**task.get("sampling", {}), **sampling}} if sampling else task
+                # unique within the run (a task can be drawn again in a later iteration), so rollout ids
+                # (<group_id>.<sample>) join across tables without the iteration
+                group_id = f"{prefix}it{iteration}.{h.name}.{task['task_id']}"
+                for k in range(samples):
+                    specs.append(
+                        RolloutSpec(
+                            run_id=run_id,
+                            iteration=iteration,
+                            harness=harness,
+                            task=run_task,
+                            model=cfg.served_name,
+                            group_id=group_id,
+                            sample_idx=k,
+                            policy_version=policy_version,
+                            eval=evaluation,
+                        )
                     )
-                )
     return specs
 
 
@@ -274,19 +274,26 @@ def _next_attempt(counter: Path) -> int:
 
 
 def summarize_results(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean reward, rollouts and statuses per harness (failed rollouts count with reward 0)."""
+    """Mean reward, rollouts and statuses per harness (failed rollouts count with reward 0); for evaluation
+    batches also the mean per mode (``greedy``, ``sampled``: the second part of an ``eval.`` group id)."""
     rewards: dict[str, list[float]] = defaultdict(list)
+    by_mode: dict[str, list[float]] = defaultdict(list)
     statuses: dict[str, int] = defaultdict(int)
     for row in rows:
         statuses[str(getattr(row["status"], "value", row["status"]))] += 1
         if row["status"] != "infra_error":
-            rewards[row["harness"]].append(float(row["reward"] or 0.0))
+            reward = float(row["reward"] or 0.0)
+            rewards[row["harness"]].append(reward)
+            group = str(row.get("group_id") or "")
+            if group.startswith("eval."):
+                by_mode[group.split(".")[1]].append(reward)
     by_harness = {h: {"n": len(v), "reward_mean": sum(v) / len(v)} for h, v in rewards.items()}
     every = [x for v in rewards.values() for x in v]
     return {
         "n": len(rows),
         "reward_mean": sum(every) / len(every) if every else 0.0,
         "by_harness": by_harness,
+        "by_mode": {m: sum(v) / len(v) for m, v in by_mode.items()},
         "statuses": dict(statuses),
     }
 

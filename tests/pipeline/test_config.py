@@ -101,11 +101,12 @@ def test_rollout_ids_are_unique_within_a_run() -> None:
     specs = [s for it in range(4) for s in sample_specs(cfg, "run", it, policy_version=it)]
     specs += [s for it in range(4) for s in sample_specs(cfg, "run", it, policy_version=it, evaluation=True)]
     ids = [s.id for s in specs]
-    assert len(ids) == len(set(ids)) == 4 * (6 * 3 * 2 + cfg.eval_tasks * 2)
+    assert len(ids) == len(set(ids)) == 4 * (6 * 3 * 2 + cfg.eval_tasks * (1 + cfg.eval_samples) * 2)
     groups = {s.group_id for s in specs if not s.eval}
     assert len(groups) == 4 * 6 * 2  # a group is one task for one harness in one iteration
-    evals = [s for s in specs if s.eval]
-    assert all(s.task["sampling"]["temperature"] == 0.0 for s in evals)
+    greedy = [s for s in specs if s.eval and s.group_id.startswith("eval.greedy.")]
+    assert len(greedy) == 4 * cfg.eval_tasks * 2
+    assert all(s.task["sampling"]["temperature"] == 0.0 for s in greedy)
 
 
 def test_harness_entry_env_reaches_the_rollouts_over_the_manifest_env(tmp_path: Path) -> None:

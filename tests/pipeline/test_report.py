@@ -64,3 +64,33 @@ def test_a_config_handed_to_a_child_reads_back_equal(tmp_path: Path) -> None:
     path.write_text('{"iterations": 0}')
     with pytest.raises(ConfigError, match="iterations"):
         read_config(PipelineConfig, path)
+
+
+def test_evaluation_runs_greedy_and_sampled_groups_and_reports_each() -> None:
+    from clawpipe.pipeline.stages import sample_specs
+
+    cfg = load_config(eval_tasks=2, eval_samples=3)
+    specs = sample_specs(cfg, "r", 4, policy_version=1, evaluation=True)
+    per_harness = 2 * (1 + 3)
+    assert len(specs) == per_harness * len(cfg.harnesses)
+    assert all(s.eval for s in specs)
+    greedy = [s for s in specs if s.group_id.startswith("eval.greedy.")]
+    sampled = [s for s in specs if s.group_id.startswith("eval.sampled.")]
+    assert {s.task["sampling"]["temperature"] for s in greedy} == {0.0}
+    assert all(s.task.get("sampling", {}).get("temperature") != 0.0 for s in sampled)
+    assert len({s.id for s in specs}) == len(specs)
+    rows = [
+        {"harness": s.harness, "status": "succeeded", "reward": 1.0 if s in greedy else 0.5, "group_id": s.group_id}
+        for s in specs
+    ]
+    summary = iteration_summary(
+        0,
+        rollouts={"reward_mean": 0.1, "by_harness": {}, "statuses": {}},
+        trees={},
+        trained={"checkpoint": "/c"},
+        policy_version=1,
+        evaluation=summarize_results(rows),
+        seconds=1.0,
+    )
+    assert summary["eval_reward_mean"] == 1.0 and summary["eval_sampled_reward_mean"] == 0.5
+    assert iteration_metrics(summary)["eval/reward_sampled"] == 0.5
