@@ -173,9 +173,9 @@ def sample_specs(
         for task in tasks:
             for prefix, samples, sampling in modes:
                 run_task = {**task, "sampling": {**task.get("sampling", {}), **sampling}} if sampling else task
-                # unique within the run (a task can be drawn again in a later iteration), so rollout ids
-                # (<group_id>.<sample>) join across tables without the iteration
-                group_id = f"{prefix}it{iteration}.{h.name}.{task['task_id']}"
+                # unique across runs and iterations (a task can be drawn again later), so rollout ids
+                # (<group_id>.<sample>) join across tables and runs without the run id or iteration
+                group_id = f"{prefix}{run_id}.it{iteration}.{h.name}.{task['task_id']}"
                 for k in range(samples):
                     specs.append(
                         RolloutSpec(

@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import os
 import re
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,5 +67,6 @@ class RunState:
 
 
 def new_run_id(run_name: str) -> str:
+    """``<name>-<UTC time>-<6 hex>``: readable, sorted by start, unique for runs started in one second."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', run_name)}-{stamp}"
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', run_name)}-{stamp}-{secrets.token_hex(3)}"

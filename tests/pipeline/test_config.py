@@ -139,3 +139,14 @@ def test_the_gpu_config_in_real_harnesses_md_loads(tmp_path: Path) -> None:
     modes = {h.name: h.env.get("CLAWPIPE_CLI_MODE") for h in cfg.harnesses}
     assert modes == {"claude-code": "full", "codex": "full", "qwen-code": "full", "chat-loop": None}
     assert cfg.engine == "vllm"
+
+
+def test_rollout_ids_are_unique_across_runs_even_when_started_together() -> None:
+    from clawpipe.pipeline.stages import sample_specs
+    from clawpipe.pipeline.state import new_run_id
+
+    cfg = load_config(groups=2, samples=2)
+    runs = [new_run_id(cfg.run_name) for _ in range(20)]
+    assert len(set(runs)) == len(runs)
+    ids = [s.id for run in runs[:2] for s in sample_specs(cfg, run, 0, policy_version=0)]
+    assert len(ids) == len(set(ids)) == 2 * 2 * 2 * len(cfg.harnesses)
