@@ -40,6 +40,9 @@ def register(app: typer.Typer) -> None:
         max_attempts: int = typer.Option(3, "--max-attempts", help="Tries per rollout for infra errors only."),
     ) -> None:
         """Run a harness on tasks in sandboxes against the proxy; one result row per rollout."""
+        import datetime as dt
+        import secrets
+
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
@@ -62,6 +65,9 @@ def register(app: typer.Typer) -> None:
             ts = get_task_set(name)
             task_sets[ts.name] = ts
             instances = ts.generate(n, seed, split)
+        # each invocation is its own batch, so two calls with one run id (other harnesses, the same tasks)
+        # never share a rollout id: <batch>.<harness>.<task>.<sample>
+        batch = f"adhoc-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         specs = [
             RolloutSpec(
                 run_id=run_id,
@@ -69,7 +75,7 @@ def register(app: typer.Typer) -> None:
                 harness=manifest,
                 task=task,
                 model=model,
-                group_id=task["task_id"],
+                group_id=f"{batch}.{manifest.name}.{task['task_id']}",
                 sample_idx=k,
                 eval=split == "eval",
             )

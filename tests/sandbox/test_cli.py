@@ -46,7 +46,14 @@ def test_rollout_from_a_task_file(
     assert out.exit_code == 0, out.output
     assert "4 rollouts: succeeded=4; mean reward 1.000; masked groups 0" in out.output
     rows = [row for _, row, _ in read_results(results)]
-    assert sorted((r["group_id"], r["sample_idx"]) for r in rows) == [("t1", 0), ("t1", 1), ("t2", 0), ("t2", 1)]
+    batches = {r["group_id"].rsplit(".chatty.", 1)[0] for r in rows}
+    assert len(batches) == 1  # one invocation, one batch: <batch>.<harness>.<task>
+    tail = sorted((r["group_id"].rsplit(".", 1)[1], r["sample_idx"]) for r in rows)
+    assert tail == [("t1", 0), ("t1", 1), ("t2", 0), ("t2", 1)]
+    out = CliRunner().invoke(app, args)  # the same tasks again, same run id: new rollout ids
+    assert out.exit_code == 0, out.output
+    again = [row["rollout_id"] for _, row, _ in read_results(results)]
+    assert len(again) == 8 and len(set(again)) == 8
 
     tasks.write_text(json.dumps(TASK) + "\n" + '{"task_set": "echo", "task_id": 5}\n')
     before = len(upstream.calls)
