@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clawpipe.serving.engine import RequestError, SamplingParams
+from clawpipe.serving.params import RequestError, SamplingParams
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 

@@ -13,6 +13,9 @@ with top-p, one RNG per choice (seeded from the request's seed + choice index); 
 log_softmax(raw_logits / T)[sampled] (T = 0: argmax, scored under T = 1). A row stops at EOS (included in its
 ids), a stop string, or max_tokens, and nothing after that is computed for it.
 
+The parts: params.py (what a request asks and gets), kv.py (the batch's KV buffers and padding mask),
+hf_cache.py (the only code touching transformers' cache classes), sampler.py, prefix_cache.py.
+
 Reload: `Engine.reload` loads new weights off-thread, then the worker stops admitting, lets the running batch
 finish, swaps the model and bumps `policy_version`; queued requests then run on the new weights.
 """
@@ -32,55 +35,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from clawpipe.errors import ServingError
 from clawpipe.serving import policy
+from clawpipe.serving.hf_cache import KV, GrowingLayer, cache_of, empty_cache, layers_of
+from clawpipe.serving.kv import BatchKV
+from clawpipe.serving.params import SHUTTING_DOWN, RequestError, SamplingParams, ShuttingDown, TokenEvent
+from clawpipe.serving.prefix_cache import PrefixCache
+from clawpipe.serving.sampler import sample
 from clawpipe.serving.text import Detokenizer, TokenTable
+
+__all__ = ["Engine", "RequestError", "SamplingParams", "ShuttingDown", "TokenEvent", "generate"]
 
 log = logging.getLogger(__name__)
 
-SHUTTING_DOWN = "the server is shutting down; retry against a running one"
 PREFILL_CHUNK = 512  # default prompt tokens computed per engine step (attention memory ~ chunk x context)
 MAX_PROMPT_TOKENS = 65536  # default prompt limit (below the model's context when that is smaller)
-
-
-class ShuttingDown(ServingError):
-    """The server is stopping: the request was not, or not fully, served (HTTP 503; retry elsewhere)."""
-
-
-class RequestError(ServingError, ValueError):
-    """A request the engine cannot serve as asked (HTTP 400); the message says what to change."""
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding settings."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False  # decode text per token (else once at the end, unless stop strings need it)
-    top_logprobs: int = 0  # also report this many most likely tokens per position (with their logprobs)
-
-
-@dataclass
-class TokenEvent:
-    """One generated token of one choice, or its end (`finish_reason` set; token fields may be None)."""
-
-    index: int
-    token_id: int | None
-    logprob: float | None
-    text: str
-    finish_reason: str | None = None
-    stopped_on: str | None = None  # the stop string that ended the choice, if one did
-    top: list[tuple[int, float]] | None = None  # (id, logprob) of the most likely tokens, when asked for
 
 
 @dataclass
@@ -104,7 +75,7 @@ class _Prefill:
     """A prompt being prefilled across engine steps: the KV of prompt_ids[:done] (None before the first chunk)."""
 
     request: _Request
-    layers: list[_GrowingLayer] | None = None
+    layers: list[GrowingLayer] | None = None
     done: int = 0
 
 
@@ -156,8 +127,7 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._rows: list[_Row] = []
         self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not yet computed
-        self._kv: list[_GrowingLayer] = []  # the batch's KV, in buffers with room for the coming tokens
-        self._mask: torch.Tensor | None = None  # (B, L) 1 = real token
+        self._kv = BatchKV()  # the rows' KV, in buffers with room for their coming tokens
         self._pending_reload: tuple[Any, int, asyncio.Future[int], asyncio.AbstractEventLoop] | None = None
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         self._cond = threading.Condition()
@@ -415,7 +385,7 @@ class Engine:
             if hit is not None:
                 cached, use = hit
                 self.stats["prefix_hit_tokens"] += use
-                layers = [_GrowingLayer(k[:, :, :use], v[:, :, :use], len(req.prompt_ids)) for k, v in cached]
+                layers = [GrowingLayer(k[:, :, :use], v[:, :, :use], len(req.prompt_ids)) for k, v in cached]
                 self._prefilling.append(_Prefill(req, layers, use))
             elif len(req.prompt_ids) > self.prefill_chunk_tokens:
                 self._prefilling.append(_Prefill(req))
@@ -423,11 +393,11 @@ class Engine:
                 groups[len(req.prompt_ids)].append(req)
         for group in groups.values():
             ids = torch.tensor([req.prompt_ids for req in group], device=self.device)  # (G, P)
-            out = self.model(input_ids=ids, cache=DynamicCache(), use_cache=True, logits_to_keep=1)
-            layers = _layers_of(out.cache)
+            out = self.model(input_ids=ids, cache=empty_cache(), use_cache=True, logits_to_keep=1)
+            prefilled = layers_of(out.cache)
             for g, req in enumerate(group):
-                self.prefix_cache.store(req.prompt_ids, layers, g)
-            self._admit_rows(group, layers, out.logits[:, -1, :])
+                self.prefix_cache.store(req.prompt_ids, prefilled, g)
+            self._admit_rows(group, prefilled, out.logits[:, -1, :])
         self._drop_finished()
 
     def _prefill_step(self) -> None:
@@ -459,18 +429,16 @@ class Engine:
         ids = torch.tensor([p.request.prompt_ids[p.done : end]], device=self.device)  # (1, c)
         self.stats["prefill_chunks"] += 1
         if p.layers is None:  # the first chunk: no KV yet, so no positions or mask to pass
-            out = self.model(input_ids=ids, cache=DynamicCache(), use_cache=True, logits_to_keep=1)
-            p.layers = [_GrowingLayer(k, v, len(p.request.prompt_ids)) for k, v in _layers_of(out.cache)]
+            out = self.model(input_ids=ids, cache=empty_cache(), use_cache=True, logits_to_keep=1)
+            p.layers = [GrowingLayer(k, v, len(p.request.prompt_ids)) for k, v in layers_of(out.cache)]
         else:
             pos = torch.arange(p.done, end, device=self.device)[None]  # (1, c)
             out = self.model(
-                input_ids=ids, position_ids=pos, cache=_cache_of(p.layers), use_cache=True, logits_to_keep=1
+                input_ids=ids, position_ids=pos, cache=cache_of(p.layers), use_cache=True, logits_to_keep=1
             )
         return out.logits[:, -1, :]
 
-    def _admit_rows(
-        self, group: list[_Request], layers: list[tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor
-    ) -> None:
+    def _admit_rows(self, group: list[_Request], layers: list[KV], logits: torch.Tensor) -> None:
         """Expand one prefilled row per request to its n rows, merge them into the batch, sample first tokens."""
         counts = [req.params.n for req in group]
         rows = [row for req in group for row in self._new_rows(req)]
@@ -481,52 +449,24 @@ class Engine:
             layers = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers]
             logits = logits.index_select(0, idx)
         mask = torch.ones((len(rows), layers[0][0].shape[2]), dtype=torch.long, device=self.device)
-        self._merge(rows, layers, mask)
+        self._rows = self._rows + rows
+        self._kv.add(layers, mask, *self._room())
         self._sample(rows, logits)
 
-    def _merge(self, rows: list[_Row], layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
-        if not self._rows or self._mask is None:
-            self._rows, self._mask = rows, mask
-            self._hold(layers)
-            return
-        old_len, new_len = self._mask.shape[1], mask.shape[1]
-        pad_old, pad_new = max(0, new_len - old_len), max(0, old_len - new_len)
-        merged = []
-        for (ko, vo), (kn, vn) in zip(self._layers, layers, strict=True):
-            ko, vo = _left_pad(ko, pad_old), _left_pad(vo, pad_old)
-            kn, vn = _left_pad(kn, pad_new), _left_pad(vn, pad_new)
-            merged.append((torch.cat([ko, kn], 0), torch.cat([vo, vn], 0)))
-        self._mask = torch.cat(
-            [torch.nn.functional.pad(self._mask, (pad_old, 0)), torch.nn.functional.pad(mask, (pad_new, 0))], 0
-        )
-        self._rows = self._rows + rows
-        self._hold(merged)
+    def _room(self) -> tuple[int, int]:
+        """(tokens the rows may still generate, the longest row reservation): how far the KV buffers reach."""
+        room = max(r.request.params.max_tokens - r.n_generated for r in self._rows)
+        return room, max(r.request.reserve for r in self._rows)
 
     def _reset_batch(self) -> None:
-        self._rows, self._kv, self._mask = [], [], None
-
-    @property
-    def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (B, H, L, D) keys and values of the batch, per layer (views, no copy)."""
-        return [layer.view() for layer in self._kv]
-
-    def _hold(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep these batch KV tensors in buffers with room for the rows' remaining tokens, so that a decode
-        step writes its new position in place (the default cache concatenates: a copy of all KV per step).
-        The room stops at the longest row reservation, so the KV budget still bounds the memory."""
-        length = layers[0][0].shape[2]
-        room = max(r.request.params.max_tokens - r.n_generated for r in self._rows)
-        cap = max(length + 1, min(length + room, max(r.request.reserve for r in self._rows)))
-        self._kv = [_GrowingLayer(k, v, cap) for k, v in layers]
+        self._rows = []
+        self._kv.clear()
 
     def _decode(self) -> None:
-        assert self._mask is not None
         b = len(self._rows)
         self.stats["max_rows"] = max(self.stats["max_rows"], b)
         tokens = torch.tensor([[r.last_token] for r in self._rows], device=self.device)  # (B, 1)
-        positions = self._mask.sum(dim=1, keepdim=True)  # (B, 1): real tokens before this one
-        mask = torch.cat([self._mask, torch.ones((b, 1), dtype=self._mask.dtype, device=self.device)], 1)
-        cache = _cache_of(self._kv)
+        positions, mask, cache = self._kv.step()
         out = self.model(
             input_ids=tokens,
             attention_mask=mask,
@@ -535,45 +475,22 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._mask = mask
         self.stats["steps"] += 1
         self._sample(self._rows, out.logits[:, -1, :])
         self._drop_finished()
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        """Sample one token per row from softmax(raw_logits / T) with top-p; emit events per request."""
-        logits = logits.float()  # (B, V)
-        temps = torch.tensor([r.request.params.temperature for r in rows], device=logits.device)
-        greedy = temps <= 0
-        scale = torch.where(greedy, torch.ones_like(temps), temps)
-        logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # (B, V)
-        probs = logp.exp()
-        top_p = torch.tensor([r.request.params.top_p for r in rows], device=logits.device)
-        u = torch.tensor([r.rng.random() for r in rows], device=logits.device, dtype=torch.float64)
-        # each row's token depends only on its own draw and distribution, never on its batch neighbours:
-        # rows with top_p = 1 map u over the vocabulary in id order, top-p rows over the sorted nucleus
-        cum = probs.double().cumsum(-1)
-        last = probs.shape[1] - 1
-        sampled = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_(max=last)[:, 0]
-        nucleus = top_p < 1
-        if bool(nucleus.any()):
-            sorted_p, order = probs[nucleus].sort(dim=-1, descending=True)
-            keep = (sorted_p.cumsum(-1) - sorted_p) < top_p[nucleus][:, None]
-            sorted_cum = (sorted_p * keep).double().cumsum(-1)
-            u_n = u[nucleus]
-            pick = torch.searchsorted(sorted_cum, (u_n * sorted_cum[:, -1])[:, None]).clamp_(max=last)
-            sampled[nucleus] = order.gather(1, pick)[:, 0]
-        sampled = torch.where(greedy, logits.argmax(-1), sampled)
-        chosen = logp.gather(1, sampled[:, None])[:, 0]
-        ids, lps = sampled.tolist(), chosen.tolist()
-        k = max(r.request.params.top_logprobs for r in rows)
-        tops: list[Any] = [None] * len(rows)
-        if k:
-            top_lp, top_id = logp.topk(min(k, logp.shape[1]), dim=-1)
-            top_pairs = [list(zip(i, v, strict=True)) for i, v in zip(top_id.tolist(), top_lp.tolist(), strict=True)]
-            tops = [pairs[: r.request.params.top_logprobs] for r, pairs in zip(rows, top_pairs, strict=True)]
+        """Sample one token per row (see clawpipe.serving.sampler); emit events per request."""
+        params = [r.request.params for r in rows]
+        got = sample(
+            logits,
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [r.rng.random() for r in rows],
+            [p.top_logprobs for p in params],
+        )
         events: dict[int, tuple[_Request, list[TokenEvent]]] = {}
-        for row, tid, lp, top in zip(rows, ids, lps, tops, strict=True):
+        for row, tid, lp, top in zip(rows, got.ids, got.logprobs, got.tops, strict=True):
             row.last_token = tid
             row.n_generated += 1
             self.stats["tokens"] += 1
@@ -583,7 +500,7 @@ class Engine:
             elif row.n_generated >= row.request.params.max_tokens:
                 row.finish = "length"
             text = row.detok.take(final=row.finish is not None)
-            ev = TokenEvent(row.index, tid, lp, text, row.finish, row.detok.stopped_on, top or None)
+            ev = TokenEvent(row.index, tid, lp, text, row.finish, row.detok.stopped_on, top)
             events.setdefault(id(row.request), (row.request, []))[1].append(ev)
         for req, evs in events.values():
             req.finished += sum(1 for ev in evs if ev.finish_reason is not None)
@@ -601,112 +518,8 @@ class Engine:
         if not keep:
             self._reset_batch()
             return
-        assert self._mask is not None
-        idx = torch.tensor(keep, device=self.device)
-        mask = self._mask.index_select(0, idx)
-        first = int(mask.any(0).nonzero()[0, 0])  # leading columns that are padding in every row
-        self._mask = mask[:, first:]
         self._rows = [self._rows[i] for i in keep]
-        self._hold(
-            [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._layers]
-        )
-
-
-def _layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (B, H, L, D) key/value tensors of each layer of a DynamicCache."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-class _GrowingLayer(DynamicLayer):
-    """A cache layer whose keys/values are views into buffers with spare positions: `update` writes the new
-    positions in place and returns longer views, instead of concatenating a copy of the whole cache."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        super().__init__()
-        b, h, n, d = keys.shape
-        self.device = keys.device
-        self._k = keys.new_empty((b, h, max(capacity, n), d))
-        self._v = values.new_empty((b, h, max(capacity, n), values.shape[3]))
-        self._k[:, :, :n], self._v[:, :, :n] = keys, values
-        self.length = n
-        self.keys, self.values = self.view()
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + key_states.shape[-2]
-        if end > self._k.shape[2]:  # past the reservation (a row outliving the longest one): grow a little
-            more = end + 64 - self._k.shape[2]
-            self._k = torch.nn.functional.pad(self._k, (0, 0, 0, more))
-            self._v = torch.nn.functional.pad(self._v, (0, 0, 0, more))
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self.view()
-        return self.keys, self.values
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (B, H, L, D) keys and values held now."""
-        return self._k[:, :, : self.length], self._v[:, :, : self.length]
-
-
-def _cache_of(layers: list[_GrowingLayer]) -> DynamicCache:
-    """A DynamicCache over these layers (updated in place by the forward pass)."""
-    cache = DynamicCache(ddp_cache_data=[(None, None)] * len(layers))
-    cache.layers = list(layers)
-    return cache
-
-
-class PrefixCache:
-    """KV of recent long prompts (LRU, bounded in tokens). A new prompt reuses the longest common prefix with a
-    cached one: multi-turn harness calls extend their previous prompt, and a task group shares its system prompt
-    and tools. Cleared on reload. Not counted in the KV budget (it bounds the batch), bounded by its own size."""
-
-    MIN_TOKENS = 128
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]] = (
-            collections.OrderedDict()
-        )
-        self._next = 0
-        self._tokens = 0
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._tokens = 0
-
-    def lookup(self, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None:
-        """(cached layers, number of prompt tokens they cover) for the longest common prefix, or None."""
-        if len(prompt) < self.MIN_TOKENS or not self._entries:
-            return None
-        ids = np.asarray(prompt, dtype=np.int64)
-        best, best_key = 0, -1
-        for key, (cached_ids, _) in self._entries.items():
-            n = min(len(cached_ids), len(ids))
-            diff = np.flatnonzero(cached_ids[:n] != ids[:n])
-            common = int(diff[0]) if diff.size else n
-            if common > best:
-                best, best_key = common, key
-        use = min(best, len(prompt) - 1)  # at least one token is computed: its logits start the completion
-        if use < self.MIN_TOKENS:
-            return None
-        self._entries.move_to_end(best_key)
-        return self._entries[best_key][1], use
-
-    def store(self, prompt: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], row: int) -> None:
-        """Keep row `row` of these prefill layers (its last len(prompt) positions) for later prompts."""
-        n = len(prompt)
-        if n < self.MIN_TOKENS or n > self.max_tokens:
-            return
-        kept = [(k[row : row + 1, :, -n:].clone(), v[row : row + 1, :, -n:].clone()) for k, v in layers]
-        self._entries[self._next] = (np.asarray(prompt, dtype=np.int64), kept)
-        self._next += 1
-        self._tokens += n
-        while self._tokens > self.max_tokens and self._entries:
-            _, (old_ids, _) = self._entries.popitem(last=False)
-            self._tokens -= len(old_ids)
+        self._kv.keep(keep, *self._room())
 
 
 def _resolve(fut: asyncio.Future[int], value: int) -> None:
@@ -722,13 +535,6 @@ def _reject(fut: asyncio.Future[int], exc: BaseException) -> None:
 def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
-
-
-def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Pad a (B, H, L, D) cache tensor with n zero positions on the left of L."""
-    if n == 0:
-        return t
-    return torch.nn.functional.pad(t, (0, 0, n, 0))
 
 
 async def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> tuple[int, list[dict[str, Any]]]:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from clawpipe.serving import convert
-from clawpipe.serving.engine import RequestError, SamplingParams
+from clawpipe.serving.params import RequestError, SamplingParams
 from clawpipe.serving.routes import Choice, Routes, sse
 from clawpipe.serving.text import new_id
 

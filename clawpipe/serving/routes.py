@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from clawpipe.errors import ServingError
 from clawpipe.serving import convert
-from clawpipe.serving.engine import Engine, RequestError, SamplingParams, TokenEvent
+from clawpipe.serving.engine import Engine
+from clawpipe.serving.params import RequestError, SamplingParams, TokenEvent
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
 
 

@@ -47,7 +47,7 @@ def test_model_publish_reloads_a_running_server(policy_dir: Path, tmp_path: Path
 
     handle = start_server(policy_dir, max_model_len=1024, admin_token=get_settings().admin())
     try:
-        new = init_policy(tmp_path / "v3", seed=3)
+        new = init_policy(get_settings().models_dir / "v3", seed=3)  # reload loads from the models dir
         result = CliRunner().invoke(app, ["model", "publish", str(new), "--url", handle.url, "--policy-version", "3"])
         assert result.exit_code == 0, result.output
         assert "policy_version 3" in result.output and server_health(handle.url)["policy_version"] == 3

@@ -326,10 +326,10 @@ def test_batch_kv_grows_in_place_and_equals_concatenation() -> None:
     attention sees equals the concatenated cache; past the room the buffer grows."""
     import torch
 
-    from clawpipe.serving.engine import _GrowingLayer
+    from clawpipe.serving.hf_cache import GrowingLayer
 
     k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
-    layer = _GrowingLayer(k, v, capacity=7)
+    layer = GrowingLayer(k, v, capacity=7)
     buffer = layer._k.data_ptr()
     ref_k, ref_v = k, v
     for step in range(4):
