@@ -164,7 +164,8 @@ TREE_STATS = pa.schema(
         pa.field("drift_count", pa.int32()),
         pa.field("failed_calls", pa.int32()),
         pa.field("truncated_calls", pa.int32()),
-        pa.field("retokenized_calls", pa.int32()),  # kept apart, not in the tree
+        pa.field("kept_out_retokenized", pa.int32()),  # calls kept out: ids re-encoded by the proxy, not sampled
+        pa.field("kept_out_no_ids", pa.int32()),  # calls kept out: no prompt ids at all
     ]
 )
 

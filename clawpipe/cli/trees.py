@@ -30,7 +30,7 @@ def build(
             f"tokens {s.flattened_tokens} flattened / {s.unique_tokens} unique; "
             f"branches retry={b['retry']} choice={b['choice']} rewrite={b['rewrite']} subagent={b['subagent']} "
             f"drift={b['drift']} rollout={b['rollout']}; failed={s.failed_calls} truncated={s.truncated_calls} "
-            f"retokenized={s.retokenized_calls}; {s.seconds:.2f} s"
+            f"kept out: retokenized={s.kept_out_retokenized} no_ids={s.kept_out_no_ids}; {s.seconds:.2f} s"
         )
 
 

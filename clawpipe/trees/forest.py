@@ -1,10 +1,10 @@
 """All prefix trees of a batch of calls: Arrow in (the SQL stage's rows), Arrow out (tree_nodes, tree_stats).
 
 :func:`build_forest` takes the rows of ``sql/trees/calls.sql`` (one per call x choice, with the rollout's
-group and reward), keeps calls without sampled ids out of the trees, builds one tree per rollout and one
-per group (:mod:`clawpipe.trees.prefix_tree`) group by group, and lays every node's tokens and logprobs
-out with one vectorised gather per batch. Rows are sorted here, so the result does not depend on the
-order they arrive in.
+group and reward), keeps calls without exact ids out of the trees (a failed call's prompt goes in as
+context), builds one tree per rollout and one per group (:mod:`clawpipe.trees.prefix_tree`) group by group,
+and lays every node's tokens and logprobs out with one vectorised gather per batch. Rows are sorted here,
+so the result does not depend on the order they arrive in.
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ class _Batch:
     prompt: _Lists
     completion: _Lists
     logprobs: _Lists
-    glen: np.ndarray  # completion tokens generated in the tree (0 for failed calls)
+    glen: np.ndarray  # completion tokens generated in the tree (0 for failed calls: their prompt is context)
     in_tree: np.ndarray  # bool
-    failed: np.ndarray
+    failed: np.ndarray  # status other than ok
     truncated: np.ndarray
-    kept_out: np.ndarray  # token_source retokenized / none
+    retokenized: np.ndarray  # ids re-encoded by the proxy, not the ones sampled: kept out
+    no_ids: np.ndarray  # no prompt ids at all: kept out
     call_code: np.ndarray
     rollout_code: np.ndarray
     rollout_ids: list[str]
@@ -120,15 +121,15 @@ def _prepare(calls: pa.Table) -> _Batch:
     status = calls["status"].to_numpy(zero_copy_only=False)
     source = calls["token_source"].to_numpy(zero_copy_only=False)
     finish = calls["finish_reason"].to_numpy(zero_copy_only=False)
-    n = len(calls)
-    failed = np.array([s is not None and s != CallStatus.ok for s in status], dtype=bool) | (completion.length == 0)
+    failed = np.array([s is not None and s != CallStatus.ok for s in status], dtype=bool)
     truncated = np.array([f == "length" for f in finish], dtype=bool)
-    kept_out = np.array(
-        [not (s == TokenSource.upstream or (s is None and h)) for s, h in zip(source, has_ids, strict=True)],
-        dtype=bool,
-    ).reshape(n)
-    glen = np.where(failed, 0, completion.length)
-    in_tree = ~kept_out & (prompt.length + glen > 0)
+    # Exact ids are the ones the engine saw: an upstream call's, or a failed call's prompt ids (taken from
+    # its request: token_source stays none there, as nothing was sampled). Re-encoded ids are not exact.
+    retokenized = np.array([s == TokenSource.retokenized for s in source], dtype=bool)
+    no_ids = ~retokenized & ~has_ids
+    sampled = np.array([s == TokenSource.upstream or s is None for s in source], dtype=bool)
+    glen = np.where(failed | ~sampled, 0, completion.length)
+    in_tree = ~retokenized & ~no_ids & (prompt.length + glen > 0)
 
     def codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
         enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
@@ -151,7 +152,8 @@ def _prepare(calls: pa.Table) -> _Batch:
         in_tree=in_tree,
         failed=failed,
         truncated=truncated,
-        kept_out=kept_out,
+        retokenized=retokenized,
+        no_ids=no_ids,
         call_code=call_code,
         rollout_code=rollout_code,
         rollout_ids=rollout_ids,
@@ -257,7 +259,8 @@ def _add_tree(
             "drift_count": 0 if nodes is None else nodes.drift_affected,
             "failed_calls": len(set(calls[b.failed[all_rows]].tolist())),
             "truncated_calls": len(set(calls[b.truncated[all_rows]].tolist())),
-            "retokenized_calls": len(set(calls[b.kept_out[all_rows]].tolist())),
+            "kept_out_retokenized": len(set(calls[b.retokenized[all_rows]].tolist())),
+            "kept_out_no_ids": len(set(calls[b.no_ids[all_rows]].tolist())),
         }
     )
 

@@ -39,9 +39,10 @@ class BuildSummary:
     unique_tokens: int  # rollout-scope trees
     branches: dict[str, int]  # rollout-scope trees, by cause (group trees add branches_rollout)
     drift_count: int
-    failed_calls: int
+    failed_calls: int  # status other than ok (in the trees as context when their prompt ids are exact)
     truncated_calls: int
-    retokenized_calls: int
+    kept_out_retokenized: int  # calls kept out of the trees: ids re-encoded by the proxy
+    kept_out_no_ids: int  # calls kept out of the trees: no prompt ids
     seconds: float
 
 
@@ -99,14 +100,17 @@ def build_iteration(
     tables.replace_partition(lake_root, "tree_stats", run_id, int(iteration), stats)
     summary = _summarise(run_id, int(iteration), nodes, stats, time.perf_counter() - t0)
     log.info(
-        "trees built run_id=%s iteration=%s trees=%d nodes=%d calls=%d drift=%d retokenized=%d seconds=%.2f",
+        "trees built run_id=%s iteration=%s trees=%d nodes=%d calls=%d drift=%d failed=%d kept_out_retokenized=%d "
+        "kept_out_no_ids=%d seconds=%.2f",
         run_id,
         iteration,
         summary.n_trees,
         summary.n_nodes,
         summary.n_calls,
         summary.drift_count,
-        summary.retokenized_calls,
+        summary.failed_calls,
+        summary.kept_out_retokenized,
+        summary.kept_out_no_ids,
         summary.seconds,
     )
     return summary
@@ -144,6 +148,7 @@ def _summarise(run_id: str, iteration: int, nodes: pa.Table, stats: pa.Table, se
         drift_count=sum(s["drift_count"] for s in rows),
         failed_calls=sum(s["failed_calls"] for s in rows),
         truncated_calls=sum(s["truncated_calls"] for s in rows),
-        retokenized_calls=sum(s["retokenized_calls"] for s in rows),
+        kept_out_retokenized=sum(s["kept_out_retokenized"] for s in rows),
+        kept_out_no_ids=sum(s["kept_out_no_ids"] for s in rows),
         seconds=seconds,
     )

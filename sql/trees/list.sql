@@ -14,7 +14,8 @@ select
         as branches,
     drift_count,
     failed_calls,
-    retokenized_calls
+    kept_out_retokenized,
+    kept_out_no_ids
 from tree_stats
 where run_id = $run_id
     and ($iteration < 0 or iteration = $iteration)

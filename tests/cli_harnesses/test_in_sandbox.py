@@ -169,7 +169,7 @@ def test_each_cli_in_bwrap_through_the_proxy(tmp_path: Path, proxy_factory: Any,
     stats = land_and_build_trees(tmp_path / "captures", tmp_path / "lake", "clirun")
     for harness in HARNESSES:
         row = stats[by_harness[harness].rollout_id]
-        assert (row["n_calls"], row["n_leaves"], row["retokenized_calls"], row["failed_calls"]) == (2, 1, 0, 0), row
+        assert (row["n_calls"], row["n_leaves"], row["kept_out_retokenized"], row["failed_calls"]) == (2, 1, 0, 0), row
         branches = [row[k] for k in row if k.startswith("branches_")]
         assert sum(branches) == 0 and row["drift_count"] == 0, row
     # Attribution: every capture carries the rollout that its sandbox's key names.

@@ -226,8 +226,36 @@ def test_calls_without_sampled_ids_are_kept_out_and_counted(tmp_path: Path) -> N
     ]
     stats = _build(tmp_path, calls, [rollout("r1", "g", 1.0)])["rollout:r1"]
     nodes = read_tree(tmp_path, RUN, 0, "rollout:r1")
-    assert stats["retokenized_calls"] == 2 and stats["n_calls"] == 3 and stats["n_seqs"] == 1
+    assert stats["kept_out_retokenized"] == 1 and stats["kept_out_no_ids"] == 1 and stats["failed_calls"] == 1
+    assert stats["n_calls"] == 3 and stats["n_seqs"] == 1
     assert stats["unique_tokens"] == len(p) + 1 and all(n["call_id"] != "c2" for n in nodes)
+
+
+def test_a_failed_call_with_exact_prompt_ids_adds_its_prompt_as_context(tmp_path: Path) -> None:
+    p = SYS + TASK
+    p2 = [*p, 20, 8]
+    calls = [
+        call("c1", "r1", 0, p, [20]),
+        # an HTTP 500: nothing sampled (token_source none), but the request's ids are the ones the engine saw
+        call("c2", "r1", 1, p2, None, status="http_error", token_source="none"),
+        call("c3", "r1", 2, p2, [21]),  # the harness retries
+    ]
+    stats = _build(tmp_path, calls, [rollout("r1", "g", 1.0)])
+    nodes = read_tree(tmp_path, RUN, 0, "rollout:r1")
+    r1 = stats["rollout:r1"]
+    assert r1["n_seqs"] == 3 and r1["failed_calls"] == 1
+    assert r1["kept_out_no_ids"] == 0 and r1["kept_out_retokenized"] == 0
+    prompt_end = _node_at(nodes, p2)
+    assert not prompt_end["generated"] and prompt_end["n_seqs"] == 2  # the failed call and its retry
+    assert _node_at(nodes, [*p2, 21])["call_id"] == "c3"
+    assert stats["group:g"]["n_seqs"] == 3
+
+
+def test_an_empty_completion_with_status_ok_is_not_a_failed_call(tmp_path: Path) -> None:
+    p = SYS + TASK
+    calls = [call("c1", "r1", 0, p, []), call("c2", "r1", 1, p, [20])]
+    stats = _build(tmp_path, calls, [rollout("r1", "g", 1.0)])["rollout:r1"]
+    assert stats["failed_calls"] == 0 and stats["n_seqs"] == 2 and stats["kept_out_no_ids"] == 0
 
 
 def test_rebuild_replaces_the_partition_and_batches_agree_with_one_pass(tmp_path: Path) -> None:
@@ -299,3 +327,16 @@ def test_group_tree_labels_each_branch_within_the_rollout_that_made_it(tmp_path:
     }
     assert _node_at(read_tree(tmp_path, RUN, 0, "rollout:rb"), [*p, 20])["branch_cause"] == "choice"
     assert _node_at(read_tree(tmp_path, RUN, 0, "rollout:rc"), [*p, 20, 21])["branch_cause"] == "retry"
+
+
+def test_a_prompt_is_never_drift_of_a_completion_generated_after_it(tmp_path: Path) -> None:
+    p = SYS + TASK
+    calls = [
+        call("c1", "r1", 0, [*p, 20, 21], [22]),  # 20 21 arrive as context
+        call("c2", "r1", 1, [*p, 30, 21], [31]),
+        call("c3", "r1", 2, p, [20, 21]),  # a later call happens to generate 20 21
+    ]
+    _build(tmp_path, calls, [rollout("r1", "g", 1.0)])
+    for tid in ("rollout:r1", "group:g"):
+        node = _node_at(read_tree(tmp_path, RUN, 0, tid), [*p, 30])
+        assert node["branch_cause"] != "drift" and node["drift_call_id"] is None, node
