@@ -17,6 +17,7 @@ from typing import Any
 
 from clawpipe.errors import ManifestError
 from clawpipe.sandbox.limits import Limits
+from clawpipe.tasks.base import validate_task  # the one task check, shared with clawpipe.tasks
 
 MANIFEST_NAME = "harness.toml"
 KIT_NAME = "_kit"  # the shared harness library: a folder beside the harness folders (no manifest, never listed)
@@ -59,7 +60,6 @@ _TOP_KEYS = {
 _SANDBOX_KEYS = {"ro_paths"}
 _RESOURCE_KEYS = {"memory_mb", "cpus", "pids"}
 _TRAINING_KEYS = {"exclude_side_calls"}
-TASK_KEYS = {"task_set": str, "task_id": str, "prompt": str, "data": dict, "max_turns": int}
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,27 +302,6 @@ def find_harness(name: str, dirs: Iterable[str | Path] | None = None) -> Harness
         f"no harness named {name!r} in {[str(d) for d in search]}; known: {known or 'none'}. "
         f"Create <dir>/{name}/{MANIFEST_NAME} or pass its parent folder as a harness dir (--harness-dir)"
     )
-
-
-def validate_task(task: Any, where: str = "task") -> dict[str, Any]:
-    """Check one task instance (CONTRACTS C) and return it; raise ManifestError naming what is wrong."""
-    if not isinstance(task, dict):
-        raise ManifestError(f"{where}: a task instance must be a JSON object, got {type(task).__name__}")
-    for key, kind in TASK_KEYS.items():
-        if key not in task:
-            raise ManifestError(f"{where}: missing `{key}` (a task needs {sorted(TASK_KEYS)})")
-        value = task[key]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ManifestError(f"{where}: `{key}` must be {kind.__name__}, got {type(value).__name__}")
-    if not task["task_id"] or "/" in task["task_id"]:
-        raise ManifestError(f"{where}: `task_id` must be non-empty without '/'")
-    if task["max_turns"] < 1:
-        raise ManifestError(f"{where}: `max_turns` must be >= 1")
-    try:
-        json.dumps(task)
-    except (TypeError, ValueError) as exc:
-        raise ManifestError(f"{where}: not JSON-serialisable: {exc}") from exc
-    return task
 
 
 def load_task_file(path: str | Path) -> list[dict[str, Any]]:

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import socket
 import stat
 import threading
@@ -32,13 +31,16 @@ from clawpipe.errors import ConfigError, ManifestError, SandboxError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob, get_backend
 from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
+from clawpipe.sandbox.fstree import Entry, remove_tree, walk
 from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
+from clawpipe.sandbox.verify import preflight, verify_rollout
 from clawpipe.schemas import RolloutStatus
 
 logger = logging.getLogger(__name__)
 
 STDERR_TAIL_BYTES = 4000
+SHORT_PATH_BYTES = 3000  # below PATH_MAX (4096) with room for what a symlink's target adds
 
 
 class TaskSetLike(Protocol):
@@ -149,33 +151,37 @@ def masked_groups(results: Iterable[RolloutResult | Mapping[str, Any]]) -> set[t
 
 def scrub_workdir(workdir: Path) -> list[str]:
     """Remove what a harness may have planted for the host-side verifier: symlinks leaving the work dir,
-    FIFOs, sockets and device nodes. Returns the removed paths (relative)."""
+    FIFOs, sockets and device nodes, at any depth. Returns the removed paths (relative)."""
     removed: list[str] = []
     root = workdir.resolve()
-    for dirpath, dirnames, filenames in os.walk(workdir, followlinks=False):
-        for name in [*dirnames, *filenames]:
-            p = Path(dirpath) / name
-            try:
-                st = p.lstat()
-            except OSError:
-                continue
-            bad = False
-            if stat.S_ISLNK(st.st_mode):
-                target = Path(os.path.realpath(p))
-                bad = target != root and root not in target.parents
-            elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                bad = True
-            if bad:
-                p.unlink(missing_ok=True)
-                removed.append(str(p.relative_to(workdir)))
+    for entry in walk(workdir):
+        mode = entry.st.st_mode
+        special = not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+        if special or (stat.S_ISLNK(mode) and _link_leaves(entry, root)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=entry.dir_fd)
+            removed.append(entry.relpath)
     return removed
+
+
+def _link_leaves(entry: Entry, root: Path) -> bool:
+    """Whether a symlink in the work dir resolves outside it.
+
+    Where the link's path is too long for the kernel to resolve (a very deep tree), any absolute target or
+    ".." component counts as leaving: a link made only of downward steps cannot climb above its folder.
+    """
+    path = root / entry.relpath
+    if len(os.fsencode(path)) < SHORT_PATH_BYTES:
+        target = Path(os.path.realpath(path))
+        return target != root and root not in target.parents
+    text = os.readlink(entry.name, dir_fd=entry.dir_fd)
+    return text.startswith("/") or ".." in Path(text).parts
 
 
 def _chown_tree(path: Path, uid: int, gid: int) -> None:
     os.chown(path, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in [*dirnames, *filenames]:
-            os.chown(Path(dirpath) / name, uid, gid, follow_symlinks=False)
+    for entry in walk(path):
+        os.chown(entry.name, uid, gid, dir_fd=entry.dir_fd, follow_symlinks=False)
 
 
 def _ends_with_memory_error(stderr_tail: str) -> bool:
@@ -185,13 +191,19 @@ def _ends_with_memory_error(stderr_tail: str) -> bool:
 
 def _open_tree(path: Path) -> None:
     path.chmod(0o777)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames:
-            (Path(dirpath) / name).chmod(0o777)
-        for name in filenames:
-            p = Path(dirpath) / name
-            if not p.is_symlink():
-                p.chmod(0o666)
+    for entry in walk(path):
+        if stat.S_ISDIR(entry.st.st_mode):
+            os.chmod(entry.name, 0o777, dir_fd=entry.dir_fd)
+        elif stat.S_ISREG(entry.st.st_mode):
+            os.chmod(entry.name, 0o666, dir_fd=entry.dir_fd)
+
+
+def _remove_rollout_dir(rdir: Path) -> None:
+    """Remove a rollout's folder (any depth); a failure is logged, never raised: the row is already written."""
+    try:
+        remove_tree(rdir)
+    except OSError as exc:
+        logger.warning("could not remove rollout folder %s: %s", rdir, exc)
 
 
 def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
@@ -242,8 +254,7 @@ class _Batch:
 
     def prepare_dir(self, spec: RolloutSpec, manifest: HarnessManifest) -> Path:
         rdir = self.scratch / spec.run_id / f"iter-{spec.iteration}" / spec.id
-        if rdir.exists():
-            shutil.rmtree(rdir)
+        remove_tree(rdir)  # a rerun's leftovers
         work = rdir / "work"
         (work / "out").mkdir(parents=True)
         (work / "home").mkdir()
@@ -303,16 +314,21 @@ class _Batch:
                 logger.exception("rollout=%s setup failed", spec.id)
                 break
         if outcome is not None and rdir is not None:
-            result.status = classify(outcome)
-            if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a retry
-                result.status = RolloutStatus.infra_error  # would flood again, so it is not retried
-            result.exit_code = outcome.exit_code
-            result.n_calls = outcome.requests
-            result.error = "; ".join(outcome.notes) or None
-            result.stderr_tail = _tail(rdir / "stderr.log")
-            if result.status == RolloutStatus.failed and _ends_with_memory_error(result.stderr_tail):
-                result.status = RolloutStatus.oom  # the rlimit fallback: Python raised MemoryError
-            self.score(result, spec, rdir / "work")
+            try:
+                result.status = classify(outcome)
+                if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a
+                    result.status = RolloutStatus.infra_error  # retry would flood again, so it is not retried
+                result.exit_code = outcome.exit_code
+                result.n_calls = outcome.requests
+                result.error = "; ".join(outcome.notes) or None
+                result.stderr_tail = _tail(rdir / "stderr.log")
+                if result.status == RolloutStatus.failed and _ends_with_memory_error(result.stderr_tail):
+                    result.status = RolloutStatus.oom  # the rlimit fallback: Python raised MemoryError
+                self.score(result, spec, rdir / "work")
+            except Exception as exc:  # our own failure on what the harness left: the rollout still gets its row
+                logger.exception("rollout=%s could not be concluded", spec.id)
+                result.status = RolloutStatus.infra_error
+                result.error = f"after the harness exited: {type(exc).__name__}: {exc}"
         result.ended_at = _now()
         result.duration_s = round(time.monotonic() - t0, 4)
         path = self.results_path(spec)
@@ -323,14 +339,15 @@ class _Batch:
             if self.keep_workdirs:
                 result.workdir = str(rdir / "work")
             else:
-                shutil.rmtree(rdir, ignore_errors=True)
+                _remove_rollout_dir(rdir)
         return result
 
     def score(self, result: RolloutResult, spec: RolloutSpec, work: Path) -> None:
         """Reward from the task set's verifier; a verifier that raises makes an infra error (not retried)."""
         removed = scrub_workdir(work)
         try:
-            reward, info = self.task_set(spec.task["task_set"]).verify(spec.task, work)
+            # Work-dir code runs only in a fresh sandbox of this backend, never here (clawpipe.sandbox.verify).
+            reward, info = verify_rollout(self.task_set(spec.task["task_set"]), spec.task, work, self.backend)
             reward = float(reward)
             if not 0.0 <= reward <= 1.0:
                 raise ValueError(f"reward {reward} outside [0, 1]")
@@ -454,6 +471,7 @@ def iter_rollouts(
                 keep_workdirs=keep_workdirs,
                 timeout_s=timeout_s,
             )
+            preflight(be.name, (s.task["task_set"] for s in spec_list), state.task_set)
             with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rollout") as pool:
                 pending: set[Future[RolloutResult]] = set()
                 todo = iter(range(len(spec_list)))

@@ -9,7 +9,13 @@ A task set (CONTRACTS C) has a ``name`` and three methods:
   share an instance.
 - ``prepare(task, workdir)``: writes starting files into a fresh work dir (file-based tasks; no-op otherwise).
 - ``verify(task, workdir) -> (reward, reward_info)``: runs on the host after the harness exits; reward in
-  [0, 1]; never raises on missing or garbage output (reward 0 and ``reward_info["reason"]``).
+  [0, 1]; never raises on missing or garbage output (reward 0 and ``reward_info["reason"]``). It only reads
+  data (e.g. with :func:`read_transcript` / :func:`read_workdir_file`), never runs anything from the work dir.
+
+A verifier that must run work-dir code declares ``needs_sandbox = True`` and provides ``check_program`` and
+``score`` (:mod:`clawpipe.tasks.check`): the runner runs the check in a fresh sandbox and the host scores
+the plain JSON it wrote. Whatever a harness writes must never earn more than an honest attempt: the suite in
+tests/tasks/forgery.py runs crafted outputs against every registered task set.
 
 Built-in sets: ``guess`` (multi-turn guess-a-number), ``calc`` (arithmetic with a calculator tool) and
 ``fixit`` (make a small program's check pass). Register your own with :func:`register_task_set`, or name
@@ -23,16 +29,31 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from clawpipe.errors import ConfigError
-from clawpipe.tasks.base import SPLITS, TRANSCRIPT, load_task, read_transcript, validate_task
+from clawpipe.tasks.base import (
+    SPLITS,
+    TRANSCRIPT,
+    WorkdirFileError,
+    load_task,
+    read_transcript,
+    read_workdir_file,
+    validate_task,
+)
+from clawpipe.tasks.check import CheckProgram, CheckRun, SandboxedTaskSet, needs_sandbox
 
 __all__ = [
     "SPLITS",
     "TRANSCRIPT",
+    "CheckProgram",
+    "CheckRun",
+    "SandboxedTaskSet",
     "TaskSet",
+    "WorkdirFileError",
     "get_task_set",
     "list_task_sets",
     "load_task",
+    "needs_sandbox",
     "read_transcript",
+    "read_workdir_file",
     "register_task_set",
     "validate_task",
 ]
@@ -66,6 +87,7 @@ def register_task_set(task_set: TaskSet) -> None:
     """Make ``task_set`` available to :func:`get_task_set` under its ``name`` (replacing any previous one)."""
     if not isinstance(task_set, TaskSet):
         raise ConfigError(f"{task_set!r} is not a task set: it needs name, generate, prepare and verify")
+    needs_sandbox(task_set)  # a set that declares a sandboxed check must provide it
     _REGISTRY[task_set.name] = task_set
 
 

@@ -1,26 +1,33 @@
-"""Pieces every task set shares: split assignment, deterministic sampling, task-file checks, transcript reading.
+"""Pieces every task set shares: split assignment, deterministic sampling, the task-instance check,
+safe reading of what a harness left in its work dir, transcript reading.
 
 Harnesses record what happened in ``<workdir>/out/transcript.json`` (:data:`TRANSCRIPT`); verifiers read it
-with :func:`read_transcript`, which turns a missing, oversized or garbage file into a reason, never an
-exception.
+with :func:`read_transcript`, which turns a missing, linked, oversized or garbage file into a reason, never
+an exception. Every file a verifier takes from a work dir goes through :func:`read_workdir_file`: it never
+follows a symbolic link (at any path component), never blocks on a FIFO and never reads past its limit.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import random
+import stat
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 from clawpipe.errors import ManifestError
+from clawpipe.tasks.values import parse_plain_json
 
 SPLITS = ("train", "eval")
 TRANSCRIPT = Path("out") / "transcript.json"
 MAX_TRANSCRIPT_BYTES = 4 * 1024 * 1024
+MAX_TRANSCRIPT_DEPTH = 64
 EVAL_SHARE = 5  # one instance key in EVAL_SHARE goes to the eval split
-_REQUIRED = {"task_set": str, "task_id": str, "prompt": str, "data": dict, "max_turns": int}
+TASK_KEYS: dict[str, type] = {"task_set": str, "task_id": str, "prompt": str, "data": dict, "max_turns": int}
 
 
 def split_of(task_set: str, key: str) -> str:
@@ -62,20 +69,29 @@ def sample_keys(task_set: str, n: int, seed: int, split: str, draw: Callable[[ra
     return keys
 
 
-def validate_task(task: Any) -> dict[str, Any]:
-    """Check a task instance's shape (CONTRACTS C); raise ManifestError naming the bad field."""
+def validate_task(task: Any, where: str = "task") -> dict[str, Any]:
+    """Check one task instance (CONTRACTS C) and return it; raise ManifestError naming ``where`` and the field.
+
+    The one check of a task's shape: task files, the runner's specs and generated tasks all go through it.
+    """
     if not isinstance(task, dict):
-        raise ManifestError(f"a task instance must be a JSON object, got {type(task).__name__}")
-    for field, kind in _REQUIRED.items():
-        if field not in task:
-            raise ManifestError(f"task instance lacks {field!r}; required: {sorted(_REQUIRED)}")
-        value = task[field]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ManifestError(f"task field {field!r} must be {kind.__name__}, got {type(value).__name__}")
+        raise ManifestError(f"{where}: a task instance must be a JSON object, got {type(task).__name__}")
+    for key, kind in TASK_KEYS.items():
+        if key not in task:
+            raise ManifestError(f"{where}: missing `{key}` (a task instance needs {sorted(TASK_KEYS)})")
+        value = task[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ManifestError(f"{where}: `{key}` must be {kind.__name__}, got {type(value).__name__}")
+    if not task["task_id"] or "/" in task["task_id"]:
+        raise ManifestError(f"{where}: `task_id` must be non-empty without '/', got {task['task_id']!r}")
     if task["max_turns"] < 1:
-        raise ManifestError(f"task field 'max_turns' must be >= 1, got {task['max_turns']}")
+        raise ManifestError(f"{where}: `max_turns` must be >= 1, got {task['max_turns']}")
     if "sampling" in task and not isinstance(task["sampling"], dict):
-        raise ManifestError("task field 'sampling' must be an object such as {\"temperature\": 0}")
+        raise ManifestError(f'{where}: `sampling` must be an object such as {{"temperature": 0}}')
+    try:
+        json.dumps(task, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"{where}: not plain JSON (no NaN, no objects): {exc}") from exc
     return task
 
 
@@ -88,20 +104,93 @@ def load_task(path: str | Path) -> dict[str, Any]:
         raise ManifestError(f"cannot read task file {p}: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise ManifestError(f"task file {p} is not valid JSON: {exc}") from exc
-    return validate_task(task)
+    return validate_task(task, str(p))
+
+
+class WorkdirFileError(Exception):
+    """Why a file could not be taken from a work dir (the message names the relative path, never a host path)."""
+
+
+def _open_below(root_fd: int, parts: list[str], rel: str) -> int:
+    """A descriptor of ``parts`` below ``root_fd``, opened one component at a time without following links."""
+    fd = root_fd
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                nxt = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise WorkdirFileError(f"{rel} goes through a symbolic link or a non-directory") from exc
+                if exc.errno == errno.ENOENT:
+                    raise WorkdirFileError(f"no {rel} in the work dir") from exc
+                raise WorkdirFileError(f"cannot open {rel}: {exc.strerror}") from exc
+            if fd != root_fd:
+                os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        if fd != root_fd:
+            os.close(fd)
+        raise
+
+
+def read_workdir_file(workdir: Path, rel: str | Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``rel`` inside ``workdir``; WorkdirFileError when it is missing, a link
+    (anywhere on its path), not a regular file (FIFO, socket, device, directory) or larger than ``max_bytes``.
+    """
+    parts = Path(rel).parts
+    if not parts or Path(rel).is_absolute() or any(p in ("..", ".") for p in parts):
+        raise WorkdirFileError(f"{rel} is not a plain relative path")
+    try:
+        root_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WorkdirFileError(f"no {rel} in the work dir (the work dir is unreadable: {exc.strerror})") from exc
+    try:
+        fd = _open_below(root_fd, list(parts), str(rel))
+    finally:
+        os.close(root_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WorkdirFileError(f"{rel} is not a regular file")
+        if st.st_size > max_bytes:
+            raise WorkdirFileError(f"{rel} is larger than {max_bytes} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:  # it grew after fstat
+            raise WorkdirFileError(f"{rel} is larger than {max_bytes} bytes")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise WorkdirFileError(f"cannot read {rel}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
 
 
 def read_transcript(workdir: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The harness's ``out/transcript.json`` as a dict, or (None, reason) when missing or unusable."""
-    path = Path(workdir) / TRANSCRIPT
+    """The harness's ``out/transcript.json`` as a dict, or (None, reason) when missing or unusable.
+
+    Strict: plain JSON only (no NaN or Infinity, no duplicate keys, at most MAX_TRANSCRIPT_DEPTH levels),
+    read without following links and only up to MAX_TRANSCRIPT_BYTES.
+    """
     try:
-        if path.is_symlink() or not path.is_file():
-            return None, f"no {TRANSCRIPT} written by the harness"
-        if path.stat().st_size > MAX_TRANSCRIPT_BYTES:
-            return None, f"{TRANSCRIPT} is larger than {MAX_TRANSCRIPT_BYTES} bytes"
-        data = json.loads(path.read_bytes().decode("utf-8", errors="replace"))
-    except (OSError, ValueError, RecursionError) as exc:
-        return None, f"{TRANSCRIPT} is unreadable: {type(exc).__name__}: {exc}"[:300]
+        raw = read_workdir_file(Path(workdir), TRANSCRIPT, MAX_TRANSCRIPT_BYTES)
+    except WorkdirFileError as exc:
+        reason = str(exc)
+        if reason.startswith("no "):
+            reason = f"no {TRANSCRIPT} written by the harness"
+        return None, reason
+    try:
+        data = parse_plain_json(raw, max_bytes=MAX_TRANSCRIPT_BYTES, max_depth=MAX_TRANSCRIPT_DEPTH, errors="replace")
+    except ValueError as exc:
+        return None, f"{TRANSCRIPT} is unusable: {exc}"[:300]
     if not isinstance(data, dict):
         return None, f"{TRANSCRIPT} is not a JSON object"
     return data, None

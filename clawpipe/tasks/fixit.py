@@ -1,33 +1,35 @@
 """``fixit``: a small Python program in the work dir fails its check; the model must fix it.
 
-``prepare`` writes ``solution.py`` (one function with a planted bug) and ``check.py`` (runs the cases).
-The harness (a real model or CLI agent editing files) may do anything in the work dir; the verifier then
-copies only ``solution.py`` into a fresh temporary directory next to a check it renders itself from the
-task (so editing check.py gains nothing) and runs it on the host with a timeout, resource limits and an
-empty environment. Reward 1.0 when every case passes, else 0 (``reward_info`` has passed/total and the
-output tail).
+``prepare`` writes ``solution.py`` (one function with a planted bug) and ``check.py`` (runs the cases and
+prints what failed; the harness may run it inside its own sandbox).
 
-The verifier executes model-written code on the host (rlimits, new session, 10 s wall clock, killed as a
-group): run untrusted models' fixit rollouts on a machine you can afford to lose, or wrap the verifier.
+Transcript contract: none. ``fixit`` is file-based: a turn is whatever the harness does with one model
+call (read a file, edit ``solution.py``, run the check); the verifier reads no transcript, ``answer`` and
+``reply`` mean nothing here, only the final ``solution.py`` in the work dir counts.
+
+Verification runs the model's code, so it never happens on the host (``needs_sandbox = True``): the
+rollout runner copies ``solution.py`` alone into a fresh sandbox of the run's backend (no network, uid
+65534, limits) next to a check rendered from the task (editing check.py gains nothing). That check calls
+the function on each case's arguments and writes the results as a JSON document of plain values; the host
+parses it (size and depth limits, no NaN) and compares each value with the expected one it holds itself
+(:func:`~clawpipe.tasks.values.same_value`). The expected values never enter the sandbox, and an object
+with a custom ``__eq__`` cannot pass (it is not JSON). Reward 1.0 when every case matches, else 0
+(``reward_info``: passed/total, the first failures, the check's exit code and output tail).
+Calling :meth:`FixitTaskSet.verify` directly raises: use ``clawpipe.sandbox.verify.verify_rollout``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import re
-import secrets
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from clawpipe.errors import ConfigError, ManifestError
 from clawpipe.tasks.base import sample_keys
+from clawpipe.tasks.check import CheckProgram, CheckRun
+from clawpipe.tasks.values import same_value
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,9 @@ SOLUTION = "solution.py"
 CHECK = "check.py"
 CHECK_TIMEOUT_S = 10.0
 MAX_SOLUTION_BYTES = 64 * 1024
+MAX_VALUE_CHARS = 64 * 1024  # one case's result, as JSON text
 N_VARIANTS = 50
-_RESULT = re.compile(r"^RESULT (\S+) passed (\d+)/(\d+)$", re.MULTILINE)
+SHOWN_FAILURES = 3
 
 
 def _ints(rng: random.Random, k: int, lo: int = -50, hi: int = 50) -> list[int]:
@@ -104,7 +107,10 @@ def _factorial(n: int) -> int:
 
 
 def render_check(function: str, cases: list[Any]) -> str:
-    """The check script: loads solution.py from its own folder and runs the cases."""
+    """The work dir's check.py, for the harness: runs the cases against solution.py, exit 0 when all pass.
+
+    It decides no reward (the verifier renders its own check); it tells the model what fails.
+    """
     return f'''"""Runs the cases against solution.py. Exit 0 when all pass."""
 import importlib.util, json, os, sys
 
@@ -124,72 +130,92 @@ for args, expected in CASES:
         passed += 1
     else:
         print(f"FAIL {function}{{tuple(args)}} = {{got!r}}, expected {{expected!r}}")
-nonce = sys.argv[1] if len(sys.argv) > 1 else "-"
-print(f"RESULT {{nonce}} passed {{passed}}/{{len(CASES)}}")
+print(f"passed {{passed}}/{{len(CASES)}}")
 sys.exit(0 if passed == len(CASES) else 1)
 '''
 
 
-# Sets rlimits inside the child, then runs the check as __main__ (no preexec_fn: unsafe in threaded hosts).
-_LAUNCHER = (
-    "import resource, runpy, sys\n"
-    "for r, v in ((resource.RLIMIT_CPU, {cpu}), (resource.RLIMIT_AS, 1 << 30), (resource.RLIMIT_FSIZE, 16 << 20),"
-    " (resource.RLIMIT_NOFILE, 64)):\n"
-    "    resource.setrlimit(r, (v, v))\n"
-    "sys.argv = [sys.argv[1], *sys.argv[2:]]\n"
-    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-)
+def render_sandbox_check(function: str, arguments: list[Any]) -> str:
+    """The verifier's check (run in a sandbox): calls ``function`` on each argument list and writes the
+    results as plain JSON to $CLAWPIPE_OUTPUT/result.json (the check protocol of clawpipe.tasks.check).
+
+    It holds the arguments only: the expected values stay on the host.
+    """
+    return f'''"""Calls {function} of solution.py on each case and writes the results as JSON for the host."""
+import json, os, resource
+
+# Hard limits before any solution code runs: the sandbox user has no capability to raise them again.
+for _r, _v in ((resource.RLIMIT_FSIZE, 4 << 20), (resource.RLIMIT_CPU, {int(CHECK_TIMEOUT_S)}),
+               (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(_r, (_v, _v))
+_out = os.environ["CLAWPIPE_OUTPUT"]
+_log = os.open(os.path.join(_out, "log.txt"), os.O_WRONLY | os.O_APPEND)
+os.dup2(_log, 1)
+os.dup2(_log, 2)
+_result = os.open(os.path.join(_out, "result.json"), os.O_WRONLY)
+_dumps = json.dumps
 
 
-def run_check(solution: bytes, function: str, cases: list[Any]) -> dict[str, Any]:
-    """Run the rendered check against ``solution`` in a temporary dir; passed/total/exit code/output tail."""
-    nonce = secrets.token_hex(8)
-    tmp = Path(tempfile.mkdtemp(prefix="clawpipe-fixit-"))
+def _finish(doc):
+    data = _dumps(doc, allow_nan=False).encode()
+    while data:
+        data = data[os.write(_result, data):]
+    os._exit(0)
+
+
+def _describe(exc):
     try:
-        (tmp / SOLUTION).write_bytes(solution)
-        (tmp / CHECK).write_text(render_check(function, cases))
-        log_path = tmp / "output.log"  # a file, not a pipe: RLIMIT_FSIZE caps what a chatty solution writes
-        with log_path.open("wb") as log_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _LAUNCHER.format(cpu=int(CHECK_TIMEOUT_S) + 1), CHECK, nonce],
-                cwd=tmp,
-                env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "LC_ALL": "C.UTF-8"},
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                proc.wait(timeout=CHECK_TIMEOUT_S)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                timed_out = True
-        text = log_path.read_bytes()[-(1 << 20) :].decode("utf-8", errors="replace")
-        passed = total = 0
-        for m in _RESULT.finditer(text):
-            if m.group(1) == nonce:
-                passed, total = int(m.group(2)), int(m.group(3))
-        return {
-            "exit_code": proc.returncode,
-            "timed_out": timed_out,
-            "passed": passed,
-            "total": total,
-            "output_tail": text[-1000:],
-        }
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, UnboundLocalError):
-            pass
-        shutil.rmtree(tmp, ignore_errors=True)
+        return f"{{type(exc).__name__}}: {{str(exc)[:200]}}"
+    except BaseException:
+        return "an exception that cannot be described"
+
+
+ARGUMENTS = json.loads({json.dumps(json.dumps(arguments))})
+try:
+    import importlib.util
+    _path = os.path.join(os.environ["CLAWPIPE_WORKDIR"], "solution.py")
+    _spec = importlib.util.spec_from_file_location("solution", _path)
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    fn = getattr(_module, {function!r})
+except BaseException as exc:
+    _finish({{"error": "solution.py did not load: " + _describe(exc)}})
+results = []
+for args in ARGUMENTS:
+    try:
+        text = _dumps(fn(*args), allow_nan=False)
+        if len(text) > {MAX_VALUE_CHARS}:
+            raise ValueError("the result is larger than {MAX_VALUE_CHARS} characters as JSON")
+        results.append({{"value": json.loads(text)}})
+    except BaseException as exc:
+        results.append({{"error": _describe(exc)}})
+_finish({{"results": results}})
+'''
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _cases_of(task: dict[str, Any]) -> tuple[str, list[tuple[list[Any], Any]]]:
+    """(function, [(arguments, expected)]) of a task; ManifestError when the task data is not usable."""
+    try:
+        data = task["data"]
+        function = data["function"]
+        cases = [(list(args), expected) for args, expected in data["cases"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"fixit task lacks data.function/data.cases ([[args], expected] pairs): {exc}") from exc
+    if not isinstance(function, str) or not function.isidentifier() or not cases:
+        raise ManifestError(f"fixit task needs a function name and at least one case, got {function!r}")
+    return function, cases
 
 
 class FixitTaskSet:
     """Fix a planted bug in solution.py so that check.py passes (file-based; for real models and CLI agents)."""
 
     name = NAME
+    needs_sandbox = True  # the verifier runs solution.py: only ever in a sandbox (clawpipe.sandbox.verify)
 
     def generate(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         """``n`` instances; an instance is (template, variant), assigned to train or eval by a stable hash."""
@@ -226,28 +252,49 @@ class FixitTaskSet:
             (workdir / name).write_text(text)
         (workdir / CHECK).write_text(render_check(data["function"], data["cases"]))
 
+    def check_program(self, task: dict[str, Any]) -> CheckProgram:
+        """The sandboxed check: solution.py copied in, the function called on each case's arguments."""
+        function, cases = _cases_of(task)
+        return CheckProgram(
+            files={CHECK: render_sandbox_check(function, [args for args, _ in cases])},
+            command=("python3", "-I", "-S", CHECK),
+            inputs=(SOLUTION,),
+            timeout_s=CHECK_TIMEOUT_S,
+            max_input_bytes=MAX_SOLUTION_BYTES,
+            max_result_bytes=len(cases) * (MAX_VALUE_CHARS + 1024),
+        )
+
+    def score(self, task: dict[str, Any], run: CheckRun) -> tuple[float, dict[str, Any]]:
+        """1.0 when the check's document holds, for every case, a value equal to the expected one."""
+        _, cases = _cases_of(task)
+        info: dict[str, Any] = {"passed": 0, "total": len(cases), **run.summary()}
+        doc = run.output
+        if run.timed_out:
+            return 0.0, {**info, "reason": "timeout"}
+        if run.skipped_inputs:
+            return 0.0, {**info, "reason": f"no usable {SOLUTION}: {run.skipped_inputs[0]}"}
+        if doc is None:
+            return 0.0, {**info, "reason": f"the check wrote no usable result: {run.reason}"}
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str) and "results" not in doc:
+            return 0.0, {**info, "reason": doc["error"][:300]}
+        results = doc.get("results") if isinstance(doc, dict) else None
+        if not isinstance(results, list) or len(results) != len(cases):
+            return 0.0, {**info, "reason": f"the check's result does not hold {len(cases)} case results"}
+        failures: list[dict[str, str]] = []
+        for (args, expected), got in zip(cases, results, strict=True):
+            if isinstance(got, dict) and got.keys() == {"value"} and same_value(got["value"], expected):
+                info["passed"] += 1
+            elif len(failures) < SHOWN_FAILURES:
+                failures.append({"args": _short(args), "expected": _short(expected), "got": _short(got)})
+        if failures:
+            info["failures"] = failures
+        if info["passed"] < len(cases):
+            return 0.0, {**info, "reason": f"{info['passed']}/{len(cases)} cases passed"}
+        return 1.0, info
+
     def verify(self, task: dict[str, Any], workdir: Path) -> tuple[float, dict[str, Any]]:
-        """Run a fresh copy of the check against the work dir's solution.py; 1.0 when every case passes."""
-        try:
-            function, cases = str(task["data"]["function"]), list(task["data"]["cases"])
-        except (KeyError, TypeError) as exc:
-            return 0.0, {"reason": f"task instance lacks data.function/data.cases: {exc}"}
-        path = Path(workdir) / SOLUTION
-        try:
-            if path.is_symlink() or not path.is_file():
-                return 0.0, {"reason": f"no regular file {SOLUTION} in the work dir"}
-            if path.stat().st_size > MAX_SOLUTION_BYTES:
-                return 0.0, {"reason": f"{SOLUTION} is larger than {MAX_SOLUTION_BYTES} bytes"}
-            solution = path.read_bytes()
-        except OSError as exc:
-            return 0.0, {"reason": f"cannot read {SOLUTION}: {exc}"}
-        try:
-            result = run_check(solution, function, cases)
-        except OSError as exc:
-            log.warning("fixit check could not run task_id=%s error=%s", task.get("task_id"), exc)
-            return 0.0, {"reason": f"the check could not run: {exc}"}
-        ok = result["exit_code"] == 0 and result["total"] == len(cases) and result["passed"] == len(cases)
-        info = {**result, "cases": len(cases)}
-        if not ok:
-            info["reason"] = "timeout" if result["timed_out"] else f"{result['passed']}/{len(cases)} cases passed"
-        return (1.0 if ok else 0.0), info
+        """Refuses: fixit's check runs the model's code, which only ever happens in a sandbox."""
+        raise ConfigError(
+            "fixit's verifier runs the model's solution.py and never does so on the host: verify with "
+            "clawpipe.sandbox.verify.verify_rollout(task_set, task, workdir, backend) (the rollout runner does)"
+        )

@@ -1,14 +1,21 @@
-"""fixit: prepare writes the buggy program and its check; verify runs a fresh check on the host."""
+"""fixit: prepare writes the buggy program and its check; the verifier runs a fresh check in a real bwrap
+sandbox (never on the host) and the host scores the plain values it wrote."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from clawpipe.tasks import fixit, get_task_set, validate_task
+from clawpipe.errors import ConfigError
+from clawpipe.sandbox.backends.base import Backend, get_backend
+from clawpipe.sandbox.verify import verify_rollout
+from clawpipe.tasks import CheckRun, fixit, get_task_set, needs_sandbox, validate_task
 
 FIXIT = get_task_set("fixit")
 FIXES = {
@@ -31,6 +38,23 @@ def one_per_template() -> list[dict]:
     return list(seen.values())
 
 
+def add_task() -> dict[str, Any]:
+    return next(t for t in FIXIT.generate(40, seed=0) if t["data"]["template"] == "add")
+
+
+def fixed(task: dict[str, Any]) -> str:
+    return FIXES[task["data"]["template"]].format(f=task["data"]["function"])
+
+
+@pytest.fixture(scope="module")
+def bwrap() -> Iterator[Backend]:
+    backend = get_backend("bwrap")
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
 def test_generate_is_deterministic_with_disjoint_splits() -> None:
     assert FIXIT.generate(20, seed=3) == FIXIT.generate(20, seed=3)
     for task in FIXIT.generate(20, seed=3):
@@ -40,58 +64,125 @@ def test_generate_is_deterministic_with_disjoint_splits() -> None:
     assert train.isdisjoint(evals)
 
 
-def test_buggy_program_fails_and_fixed_program_passes(tmp_path: Path) -> None:
+def test_the_work_dir_check_tells_the_model_what_fails(tmp_path: Path) -> None:
+    task = add_task()
+    FIXIT.prepare(task, tmp_path)
+    run = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 1 and "FAIL" in run.stdout and "passed 0/5" in run.stdout
+    (tmp_path / "solution.py").write_text(fixed(task))
+    assert subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True).returncode == 0
+
+
+def test_verify_never_runs_the_solution_on_the_host(tmp_path: Path) -> None:
+    task = add_task()
+    marker = tmp_path / "ran-on-host"
+    (tmp_path / "solution.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n" + fixed(task))
+    assert needs_sandbox(FIXIT)
+    with pytest.raises(ConfigError, match="never does so on the host"):
+        FIXIT.verify(task, tmp_path)
+    assert not marker.exists()
+
+
+def test_the_sandboxed_check_holds_arguments_never_expected_values() -> None:
+    task = add_task()
+    program = FIXIT.check_program(task)
+    assert program.inputs == ("solution.py",)
+    text = program.files["check.py"]
+    arguments = [args for args, _ in task["data"]["cases"]]
+    assert json.dumps(json.dumps(arguments)) in text
+    assert json.dumps(json.dumps(task["data"]["cases"])) not in text
+
+
+def document(*values: Any) -> CheckRun:
+    return CheckRun(output={"results": [{"value": v} for v in values]}, exit_code=0)
+
+
+def test_score_compares_plain_values_it_holds_itself() -> None:
+    task = add_task()
+    expected = [e for _, e in task["data"]["cases"]]
+    assert FIXIT.score(task, document(*expected))[0] == 1.0
+    assert FIXIT.score(task, document(*[float(e) for e in expected]))[0] == 1.0  # 3.0 is 3, as in Python
+    forged: dict[str, CheckRun] = {
+        "one wrong": document(*expected[:-1], expected[-1] + 1),
+        "booleans for numbers": document(*[True] * len(expected)),
+        "strings for numbers": document(*[str(e) for e in expected]),
+        "too few results": document(*expected[:-1]),
+        "extra keys claim a pass": CheckRun(
+            output={"results": [{"value": e, "passed": True} for e in expected[:-1]] + [{"passed": True}]}
+        ),
+        "reward fields": CheckRun(output={"reward": 1.0, "passed": 5, "total": 5, "ok": True}),
+        "a list instead of an object": CheckRun(output=[{"value": e} for e in expected]),
+        "right values after a timeout": CheckRun(output=document(*expected).output, timed_out=True),
+        "no document": CheckRun(output=None, reason="the check wrote nothing"),
+    }
+    for name, run in forged.items():
+        reward, info = FIXIT.score(task, run)
+        assert reward == 0.0 and info["reason"], name
+        json.dumps(info)
+
+
+@pytest.mark.sandbox
+def test_buggy_programs_fail_and_fixed_ones_pass_in_bwrap(tmp_path: Path, bwrap: Backend) -> None:
     for task in one_per_template():
         work = tmp_path / task["task_id"]
         work.mkdir()
         FIXIT.prepare(task, work)
-        assert subprocess.run([sys.executable, "check.py"], cwd=work, capture_output=True).returncode != 0
-        reward, info = FIXIT.verify(task, work)
-        assert reward == 0.0 and "cases passed" in info["reason"], task["task_id"]
-        (work / "solution.py").write_text(FIXES[task["data"]["template"]].format(f=task["data"]["function"]))
-        assert subprocess.run([sys.executable, "check.py"], cwd=work, capture_output=True).returncode == 0
-        reward, info = FIXIT.verify(task, work)
+        reward, info = verify_rollout(FIXIT, task, work, bwrap)
+        assert reward == 0.0 and "cases passed" in info["reason"], (task["task_id"], info)
+        (work / "solution.py").write_text(fixed(task))
+        (work / "check.py").write_text("raise SystemExit(0)\n")  # the work dir's check decides nothing
+        reward, info = verify_rollout(FIXIT, task, work, bwrap)
         assert reward == 1.0, (task["task_id"], info)
+        assert sorted(p.name for p in work.iterdir()) == ["check.py", "solution.py"]  # the check ran on a copy
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize(
     "solution",
     [
         "import sys\nsys.exit(0)\n",  # exits 0 before the cases run
-        "print('RESULT - passed 9/9')\nimport sys\nsys.exit(0)\n",  # forges a result line without the nonce
+        "print('RESULT - passed 9/9')\nimport sys\nsys.exit(0)\n",  # the old result line
         "this is not python",
         "",
     ],
 )
-def test_reward_hacks_and_garbage_get_zero(tmp_path: Path, solution: str) -> None:
-    task = FIXIT.generate(1, seed=0)[0]
-    FIXIT.prepare(task, tmp_path)
-    (tmp_path / "check.py").write_text("raise SystemExit(0)\n")  # editing the check gains nothing
+def test_exits_and_garbage_get_zero(tmp_path: Path, bwrap: Backend, solution: str) -> None:
+    task = add_task()
     (tmp_path / "solution.py").write_text(solution)
-    reward, info = FIXIT.verify(task, tmp_path)
+    reward, info = verify_rollout(FIXIT, task, tmp_path, bwrap)
     assert reward == 0.0 and info["reason"]
 
 
-def test_a_hanging_solution_is_killed_at_the_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.sandbox
+def test_a_hanging_solution_is_killed_at_the_timeout(
+    tmp_path: Path, bwrap: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(fixit, "CHECK_TIMEOUT_S", 1.0)
-    task = FIXIT.generate(1, seed=0)[0]
     (tmp_path / "solution.py").write_text("import time\nwhile True:\n    time.sleep(0.05)\n")
-    reward, info = FIXIT.verify(task, tmp_path)
+    reward, info = verify_rollout(FIXIT, add_task(), tmp_path, bwrap)
     assert reward == 0.0 and info["timed_out"] and info["reason"] == "timeout"
 
 
-def test_missing_or_linked_solution(tmp_path: Path) -> None:
-    task = FIXIT.generate(1, seed=0)[0]
-    assert "no regular file" in FIXIT.verify(task, tmp_path)[1]["reason"]
-    (tmp_path / "elsewhere.py").write_text("x = 1\n")
-    (tmp_path / "solution.py").symlink_to(tmp_path / "elsewhere.py")
-    assert FIXIT.verify(task, tmp_path)[0] == 0.0
-    assert FIXIT.verify({"data": {}}, tmp_path)[0] == 0.0
+@pytest.mark.sandbox
+def test_missing_linked_or_huge_solution(tmp_path: Path, bwrap: Backend) -> None:
+    task = add_task()
+    reward, info = verify_rollout(FIXIT, task, tmp_path, bwrap)
+    assert reward == 0.0 and "no solution.py" in info["reason"]
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere.py"
+    elsewhere.write_text(fixed(task))
+    (tmp_path / "solution.py").symlink_to(elsewhere)
+    reward, info = verify_rollout(FIXIT, task, tmp_path, bwrap)
+    assert reward == 0.0 and "symbolic link" in info["reason"]
+    (tmp_path / "solution.py").unlink()
+    (tmp_path / "solution.py").write_text(fixed(task) + "#" * (fixit.MAX_SOLUTION_BYTES + 1))
+    reward, info = verify_rollout(FIXIT, task, tmp_path, bwrap)
+    assert reward == 0.0 and "larger" in info["reason"]
+    assert verify_rollout(FIXIT, {"data": {}}, tmp_path, bwrap)[0] == 0.0
 
 
-def test_a_chatty_solution_is_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.sandbox
+def test_a_chatty_solution_is_capped(tmp_path: Path, bwrap: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fixit, "CHECK_TIMEOUT_S", 2.0)
-    task = FIXIT.generate(1, seed=0)[0]
     (tmp_path / "solution.py").write_text("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n")
-    reward, info = FIXIT.verify(task, tmp_path)
-    assert reward == 0.0 and len(info["output_tail"]) <= 1000
+    reward, info = verify_rollout(FIXIT, add_task(), tmp_path, bwrap)
+    assert reward == 0.0 and len(info.get("output_tail", "")) <= 1000

@@ -69,7 +69,7 @@ def test_generate_rejects_an_unknown_split() -> None:
     [
         ("{", "not valid JSON"),
         ("[]", "JSON object"),
-        (json.dumps({"task_set": "guess"}), "lacks"),
+        (json.dumps({"task_set": "guess"}), "missing `task_id`"),
         (json.dumps({"task_set": "g", "task_id": "x", "prompt": "p", "data": {}, "max_turns": "4"}), "max_turns"),
         (json.dumps({"task_set": "g", "task_id": "x", "prompt": "p", "data": {}, "max_turns": 0}), ">= 1"),
     ],
