@@ -2,7 +2,8 @@
 
 ``GET /admin/health``, ``GET /admin/stats``, ``POST /admin/pause`` (``{"wait_s": s}``: new calls wait,
 returns once in-flight calls drained), ``POST /admin/resume`` (``{"policy_version": n}`` optional),
-``GET|POST /admin/policy_version`` (``{"policy_version": n}``).
+``GET|POST /admin/policy_version`` (``{"policy_version": n}``). ``policy_version`` is an integer in
+[0, 2**31 - 1], ``wait_s`` a number of seconds in [0, 3600]; anything else is a 400 that changes nothing.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from typing import TYPE_CHECKING
 
 from clawpipe.proxy import wire
 from clawpipe.proxy.conn import ClientConn
+from clawpipe.proxy.limits import MAX_POLICY_VERSION, valid_policy_version
 
 if TYPE_CHECKING:
     from clawpipe.proxy.server import ProxyServer
+
+MAX_WAIT_S = 3600.0
+_VERSION_HELP = f'send {{"policy_version": <integer in [0, {MAX_POLICY_VERSION}]>}}'
 
 
 async def handle_admin(proxy: ProxyServer, conn: ClientConn, req: wire.Request) -> None:
@@ -42,21 +47,22 @@ async def handle_admin(proxy: ProxyServer, conn: ClientConn, req: wire.Request) 
     elif path == "/admin/stats" and method == "GET":
         out = proxy.snapshot_stats()
     elif path == "/admin/pause" and method == "POST":
-        wait_s = args.get("wait_s", proxy.config.drain_timeout_s)
-        if not _number(wait_s) or wait_s < 0:
-            status, out = 400, {"error": {"message": 'send {"wait_s": <seconds >= 0>} (or no body)'}}
+        wait_s = args.get("wait_s", min(proxy.config.drain_timeout_s, MAX_WAIT_S))
+        if not _number(wait_s) or not 0 <= wait_s <= MAX_WAIT_S:
+            msg = f'send {{"wait_s": <seconds in [0, {MAX_WAIT_S:g}]>}} (or no body)'
+            status, out = 400, {"error": {"message": msg}}
         else:
             out = await proxy.pause_calls(float(wait_s))
     elif path == "/admin/resume" and method == "POST":
         version = args.get("policy_version")
-        if version is not None and not _integer(version):
-            status, out = 400, {"error": {"message": "policy_version must be an integer"}}
+        if version is not None and not valid_policy_version(version):
+            status, out = 400, {"error": {"message": _VERSION_HELP + " (or no policy_version)"}}
         else:
             out = proxy.resume_calls(version)
     elif path == "/admin/policy_version" and method in ("GET", "POST", "PUT"):
         if method != "GET":
-            if not _integer(args.get("policy_version")):
-                status, out = 400, {"error": {"message": 'send {"policy_version": <int>}'}}
+            if not valid_policy_version(args.get("policy_version")):
+                status, out = 400, {"error": {"message": _VERSION_HELP}}
             else:
                 proxy.policy_version = args["policy_version"]
         if out is None:
@@ -65,10 +71,6 @@ async def handle_admin(proxy: ProxyServer, conn: ClientConn, req: wire.Request) 
         status, out = 404, {"error": {"message": f"unknown admin endpoint {method} {path}"}}
     conn.write(wire.json_response(status, out, keep_alive=keep))
     conn.finish(keep)
-
-
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _number(value: object) -> bool:

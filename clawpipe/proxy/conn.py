@@ -9,10 +9,13 @@ except the piece holding the stream's end marker, which it holds until the call'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING
 
 from clawpipe.proxy import wire
+from clawpipe.proxy.framing import MAX_HEAD, ChunkedBody, Head, parse_request_head
 from clawpipe.proxy.upstream import UpstreamConn
+from clawpipe.proxy.wire import BadRequest
 
 if TYPE_CHECKING:
     from clawpipe.proxy.server import ProxyServer
@@ -30,27 +33,45 @@ END_MARKERS = (
     *(b'\ndata: {"type":"' + e + b'"' for e in _LAST_EVENTS),
 )
 _TAIL = max(len(m) for m in END_MARKERS)
-MAX_HEAD = 65536
+# Connection phases: waiting for (the rest of) a head, a body, the handler's answer, the next request.
+HEAD, BODY, BUSY, IDLE = range(4)
 
 
 class ClientConn(asyncio.Protocol):
-    """One harness connection: parses requests and runs them one at a time (keep-alive, in order)."""
+    """One harness connection: parses requests and runs them one at a time (keep-alive, in order).
+
+    Its ``phase`` and ``since`` let the proxy's sweep close connections that take too long to send a head
+    or a body (408) or sit idle between requests.
+    """
 
     def __init__(self, proxy: ProxyServer) -> None:
         self.proxy = proxy
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.buf = bytearray()  # input not consumed yet
         self.busy = False
         self.closed = False
         self.reading_paused = False
         self.call: Call | None = None
-        self._head: tuple[str, str, bytes, dict[bytes, bytes], int, int] | None = None
-        self._discard = 0  # bytes of a refused (413) body still to read and drop before closing
+        self.phase = HEAD
+        self.since = 0.0  # loop time the phase started (BODY: the last body bytes)
+        self._head: Head | None = None
+        self._parts: list[bytes] = []  # Content-Length body so far
+        self._have = 0
+        self._chunks: ChunkedBody | None = None
+        self._held = 0  # bytes this connection holds of the proxy's body budget
+        self._head_scanned = 0  # bytes of an incomplete head already searched for its end
+        self._discard = 0  # bytes of a refused body still to read and drop before closing
         self._close_pending = False
+        self.refused = False  # over the connection limit: answered 503 and closed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.proxy._conns.add(self)
+        proxy = self.proxy
+        self.since = proxy._loop.time()
+        if len(proxy._conns) >= proxy.config.max_connections:
+            self._refuse_connection()
+            return
+        proxy._conns.add(self)
 
     def eof_received(self) -> bool:
         return False
@@ -58,26 +79,33 @@ class ClientConn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.proxy._conns.discard(self)
+        self._release()
         call = self.call
         if call is not None:
             call.client_gone()
 
     def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
         if self._discard:
             self._discard = max(0, self._discard - len(data))
             if not self._discard and self._close_pending:
                 self.close()
             return
-        if self.busy:
+        if self.busy:  # a pipelined next request: keep a head's worth, then stop reading
             self.buf += data
-            if len(self.buf) > self.proxy.config.max_body_bytes + MAX_HEAD and not self.reading_paused:
+            if len(self.buf) > 2 * MAX_HEAD and not self.reading_paused:
                 self.reading_paused = True
                 assert self.transport is not None
                 self.transport.pause_reading()
             return
+        if self.phase == IDLE:
+            self.phase, self.since = HEAD, self.proxy._loop.time()
+        elif self.phase == BODY:
+            self.since = self.proxy._loop.time()
         if self.buf:
             self.buf += data
-            self._parse(self.buf)
+            self._parse(None)
         else:
             self._parse(data)
 
@@ -100,98 +128,196 @@ class ClientConn(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.close()
         self.closed = True
+        self._release()
 
-    def _parse(self, data: bytes | bytearray) -> None:
+    def time_out(self, now: float) -> bool:
+        """Close the connection if its phase ran past its limit (the proxy's sweep calls this)."""
+        cfg = self.proxy.config
+        if self.phase == IDLE:
+            if now - self.since > cfg.idle_timeout_s:
+                self.close()
+                return True
+        elif self.phase in (HEAD, BODY) and now - self.since > cfg.header_timeout_s:
+            what = "request head" if self.phase == HEAD else "rest of the request body"
+            msg = f"the {what} did not arrive within {cfg.header_timeout_s:g} s"
+            self.write(wire.error_response(408, msg, anthropic=False, keep_alive=False))
+            self.close()
+            return True
+        return False
+
+    # --- parsing -------------------------------------------------------------------------------------
+    def _parse(self, data: bytes | None) -> None:
+        """Parse requests from ``data`` (a fresh read while nothing is buffered) or from ``self.buf``."""
         while not self.busy and not self.closed:
             if self._head is None:
-                end = data.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(data) > MAX_HEAD:
-                        self.write(wire.error_response(431, "request head too large", anthropic=False))
-                        self.close()
-                    elif data is not self.buf:
-                        self.buf = bytearray(data)
+                if data is not None:
+                    self.buf += data
+                    data = None
+                if not self._read_head():
                     return
-                try:
-                    method, target, version, headers = wire.parse_head(bytes(data[:end]))
-                    clen = int(headers.get(b"content-length", b"0"))
-                    if clen < 0:
-                        raise ValueError
-                except (wire.BadRequest, ValueError):
-                    self.write(wire.error_response(400, "malformed HTTP request", anthropic=False, keep_alive=False))
-                    self.close()
-                    return
-                if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-                    clen = -1  # de-chunked once complete (wire.dechunk)
-                self._head = (method, target, version, headers, end + 4, clen)
-                if clen > self.proxy.config.max_body_bytes:
-                    self._head = None
-                    self.buf = bytearray()
-                    self._discard = max(0, clen - (len(data) - end - 4))
-                    req = self._request(method, target, version, headers, b"")
-                    req.keep_alive = False
-                    req.extra["too_large"] = clen
-                    self._dispatch(req)
-                    return
-                if headers.get(b"expect", b"").lower() == b"100-continue" and (clen < 0 or len(data) < end + 4 + clen):
-                    self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            method, target, version, headers, start, clen = self._head
-            if clen >= 0:
-                need = start + clen
-                done = len(data) >= need
+                continue
+            if data is not None:  # the body straight from the read, without copying it into buf first
+                used = self._body_bytes(data)
+                if used < len(data):
+                    self.buf += data[used:] if used else data
+                data = None
+            elif self.buf:
+                used = self._body_bytes(self.buf)
+                del self.buf[:used]
             else:
-                try:
-                    whole = wire.dechunk(data, start, self.proxy.config.max_body_bytes)
-                except wire.BadRequest as exc:
-                    if exc.status == 413:  # answered and captured like an over-limit content-length body
-                        self._head, self.buf, self._discard = None, bytearray(), 1 << 62
-                        req = self._request(method, target, version, headers, b"")
-                        req.keep_alive = False
-                        req.extra["too_large"] = f"more than {self.proxy.config.max_body_bytes}"
-                        self._dispatch(req)
-                        return
-                    self.write(wire.error_response(exc.status, str(exc), anthropic=False, keep_alive=False))
-                    self.close()
-                    return
-                done = whole is not None
-            if not done:
-                if data is not self.buf:
-                    self.buf = bytearray(data)
+                used = self._body_bytes(b"")
+            if self.closed or self._head is None:
+                continue
+            if not self._body_done():
                 return
-            if clen >= 0:
-                body = bytes(data[start:need])
+            self._dispatch_body()
+
+    def _read_head(self) -> bool:
+        """Take a complete head off ``buf``: True when the parser should go on (head taken or refused)."""
+        buf = self.buf
+        end = buf.find(b"\r\n\r\n", max(0, self._head_scanned - 3))
+        if end < 0:
+            self._head_scanned = len(buf)
+            if len(buf) > MAX_HEAD:  # checked on every read: a head never grows past the limit
+                self._reject(431, f"request head larger than {MAX_HEAD} bytes")
+            return False
+        if end > MAX_HEAD:
+            self._reject(431, f"request head larger than {MAX_HEAD} bytes")
+            return False
+        raw = bytes(buf[:end])
+        del buf[: end + 4]
+        self._head_scanned = 0
+        try:
+            head = parse_request_head(raw)
+        except BadRequest as exc:
+            self._reject(exc.status, str(exc))
+            return False
+        cfg = self.proxy.config
+        self.phase, self.since = BODY, self.proxy._loop.time()
+        if head.length > cfg.max_body_bytes:
+            self._refuse(head, 413, head.length, max(0, head.length - len(buf)))
+            return False
+        if head.length > 0 and not self._hold(head.length):
+            self._refuse(head, 503, None, max(0, head.length - len(buf)))
+            return False
+        self._head = head
+        if head.length < 0:
+            self._chunks = ChunkedBody(cfg.max_body_bytes)
+        if head.headers.get(b"expect", b"").lower() == b"100-continue" and (head.length < 0 or len(buf) < head.length):
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return True
+
+    def _body_bytes(self, data: bytes | bytearray) -> int:
+        """Feed body bytes to the current request; returns how many were used."""
+        head = self._head
+        assert head is not None
+        chunks = self._chunks
+        if chunks is None:
+            take = min(head.length - self._have, len(data))
+            if take:
+                self._parts.append(bytes(data) if take == len(data) else bytes(data[:take]))
+                self._have += take
+            return take
+        try:
+            used = chunks.feed(data)
+        except BadRequest as exc:
+            if exc.status == 413:  # answered and captured like an over-limit content-length body
+                self._refuse(head, 413, f"more than {self.proxy.config.max_body_bytes}", 1 << 62)
             else:
-                assert whole is not None
-                body, need = whole
-            self._head = None
-            if data is self.buf:
-                del self.buf[:need]
-            else:
-                self.buf = bytearray(data[need:]) if len(data) > need else bytearray()
-            data = self.buf
-            self._dispatch(self._request(method, target, version, headers, body))
+                self._reject(exc.status, str(exc))
+            return len(data)
+        if chunks.size > self._held and not self._hold(chunks.size - self._held):
+            self._refuse(head, 503, None, 1 << 62)
+            return len(data)
+        return used
+
+    def _body_done(self) -> bool:
+        head = self._head
+        assert head is not None
+        return self._chunks.done if self._chunks is not None else self._have >= head.length
+
+    def _dispatch_body(self) -> None:
+        head = self._head
+        assert head is not None
+        if self._chunks is not None:
+            body = self._chunks.body()
+        else:
+            body = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._head, self._chunks, self._parts, self._have = None, None, [], 0
+        self._dispatch(self._request(head, body))
+
+    def _hold(self, n: int) -> bool:
+        """Reserve ``n`` bytes of the proxy's budget for bodies being received."""
+        if not self.proxy.body_budget.take(n):
+            return False
+        self._held += n
+        return True
+
+    def _release(self) -> None:
+        if self._held:
+            self.proxy.body_budget.give(self._held)
+            self._held = 0
+
+    def _reject(self, status: int, message: str) -> None:
+        """A request that cannot be framed: answer and close, never reading past it."""
+        self.write(wire.error_response(status, message, anthropic=False, keep_alive=False))
+        self.buf = bytearray()
+        self.close()
+
+    def _refuse(self, head: Head, status: int, size: object, discard: int) -> None:
+        """A framed request whose body the proxy will not take (413 too large, 503 over the body budget): the
+        handler answers it and captures it; the rest of its body is read and dropped, then the connection
+        closes."""
+        self._release()
+        self._head, self._chunks, self._parts, self._have = None, None, [], 0
+        self.buf = bytearray()
+        self._discard = discard
+        req = self._request(head, b"")
+        req.keep_alive = False
+        if status == 413:
+            req.extra["too_large"] = size
+        else:
+            req.extra["over_budget"] = True
+        self._dispatch(req)
+
+    def _refuse_connection(self) -> None:
+        """Over the connection limit: a 503 saying so, then a graceful close (the request is not read)."""
+        self.refused = True
+        limit = self.proxy.config.max_connections
+        msg = (
+            f"the proxy is at its limit of {limit} open connections; retry shortly, close idle connections, "
+            "or start the proxy with a larger --max-connections"
+        )
+        assert self.transport is not None
+        self.transport.write(wire.error_response(503, msg, anthropic=False, keep_alive=False))
+        with contextlib.suppress(OSError, RuntimeError):
+            self.transport.write_eof()  # the client reads the 503; its own close ends the connection
+        self.proxy._loop.call_later(2.0, self.transport.abort)
 
     @staticmethod
-    def _request(method: str, target: str, version: bytes, headers: dict[bytes, bytes], body: bytes) -> wire.Request:
-        path, _, query = target.partition("?")
-        keep = version == b"HTTP/1.1"
-        conn_h = headers.get(b"connection")
+    def _request(head: Head, body: bytes) -> wire.Request:
+        path, _, query = head.target.partition("?")
+        keep = head.version == b"HTTP/1.1"
+        conn_h = head.headers.get(b"connection")
         if conn_h is not None:
             low = conn_h.lower()
             if b"close" in low:
                 keep = False
             elif b"keep-alive" in low:
                 keep = True
-        return wire.Request(method, target, path, query, version, headers, body, keep)
+        return wire.Request(head.method, head.target, path, query, head.version, head.headers, body, keep)
 
     def _dispatch(self, req: wire.Request) -> None:
         self.busy = True
+        self.phase = BUSY
+        self._release()  # the body is complete: the budget covers bodies still being received
         self.proxy._track(self.proxy._loop.create_task(self.proxy._handle(self, req)))
 
     def finish(self, keep_alive: bool) -> None:
         """The current request is answered: go on with the next one, or close."""
         self.busy = False
         self.call = None
+        self.phase, self.since = IDLE, self.proxy._loop.time()
         if not keep_alive:
             if self._discard and not self.closed:  # closing with unread input would reset the connection
                 self._close_pending = True
@@ -203,7 +329,8 @@ class ClientConn(asyncio.Protocol):
             self.reading_paused = False
             self.transport.resume_reading()
         if self.buf and not self.closed:
-            self._parse(self.buf)
+            self.phase = HEAD
+            self._parse(None)
 
 
 class Call:
@@ -216,9 +343,11 @@ class Call:
         "fut",
         "held",
         "holding",
+        "limit",
         "outcome",
         "parts",
         "resp_headers",
+        "size",
         "status",
         "stream",
         "streaming",
@@ -226,8 +355,17 @@ class Call:
         "up",
     )
 
-    def __init__(self, client: ClientConn, stream: bool, loop: asyncio.AbstractEventLoop, chunked: bool = True) -> None:
+    def __init__(
+        self,
+        client: ClientConn,
+        stream: bool,
+        loop: asyncio.AbstractEventLoop,
+        chunked: bool = True,
+        limit: int = 1 << 62,
+    ) -> None:
         self.client = client
+        self.limit = limit  # response bytes the proxy takes from the upstream
+        self.size = 0
         self.chunked = chunked  # stream to the client in chunked encoding (HTTP/1.1), else until close
         self.stream = stream
         self.fut: asyncio.Future[None] = loop.create_future()
@@ -238,7 +376,7 @@ class Call:
         self.streaming = False
         self.status = 0
         self.resp_headers: list[tuple[bytes, bytes]] = []
-        self.outcome = ""  # end | fail | timeout | cancelled
+        self.outcome = ""  # end | fail | timeout | cancelled | shutdown | too_large
         self.error: str | None = None
         self.up: UpstreamConn | None = None
 
@@ -256,6 +394,13 @@ class Call:
             self.client.write(wire.response_head(200, self.resp_headers, length=None if self.chunked else -1))
 
     def up_body(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self.limit:  # the piece that crosses the limit is dropped: parts stay under it
+            up, self.up = self.up, None
+            if up is not None:
+                up.detach()
+            self._resolve("too_large", f"upstream response larger than the proxy's limit of {self.limit} bytes")
+            return
         self.parts.append(data)
         if self.streaming:
             chunk = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data

@@ -14,8 +14,12 @@ ROUTES = {
     ("POST", "/v1/completions"): "completions",
     ("POST", "/v1/responses"): "responses",
     ("POST", "/v1/messages"): "messages",
+    ("POST", "/v1/messages/count_tokens"): "count_tokens",
     ("GET", "/v1/models"): "models",
 }
+# The model calls: forwarded with token ids asked for (below). The others (models, count_tokens) are
+# forwarded as they are and captured with token_source "none", so training never sees them.
+TOKEN_APIS = frozenset(("chat", "completions", "responses", "messages"))
 # Fields added to the forwarded body per API (CONTRACTS A); logprobs only when absent or falsy.
 WANTED_FIELDS: dict[str, dict[str, Any]] = {
     "chat": {"return_token_ids": True, "logprobs": True},

@@ -34,7 +34,9 @@ from clawpipe.keys import RolloutKey, verify_key
 from clawpipe.proxy import wire
 from clawpipe.proxy.admin import handle_admin
 from clawpipe.proxy.conn import Call, ClientConn
-from clawpipe.proxy.routes import ROUTES, prepare_body
+from clawpipe.proxy.limits import MAX_POLICY_VERSION, BodyBudget, valid_policy_version
+from clawpipe.proxy.outcome import Outcome, judge
+from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, prepare_body
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
 
@@ -55,6 +57,12 @@ class ProxyConfig:
     admin_token: str | None = None  # None: Settings().admin()
     instance: str | None = None  # segment name prefix; default p<pid>-<random>
     max_body_bytes: int = 32 << 20
+    max_buffered_bytes: int = 128 << 20  # request bodies still being received, all connections together
+    max_response_bytes: int = 256 << 20  # a larger upstream response ends the call as an upstream error
+    max_connections: int = 4096  # open client connections; more get a 503
+    max_upstream_conns: int = 256  # connections per upstream replica; more calls wait for one
+    header_timeout_s: float = 30.0  # a request head (from connect or its first byte), and any pause in a body
+    idle_timeout_s: float = 120.0  # a keep-alive connection with no request for this long is closed
     upstream_timeout_s: float = 600.0  # max silence from the upstream (before the head and between bytes)
     connect_timeout_s: float = 5.0
     pause_wait_s: float = 120.0  # how long a new call waits during a pause before a 503
@@ -70,8 +78,21 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if not self.upstreams:
             raise ConfigError("give at least one upstream (--upstream http://HOST:PORT)")
-        if self.max_body_bytes <= 0 or self.upstream_timeout_s <= 0:
-            raise ConfigError("max_body_bytes and upstream_timeout_s must be positive")
+        positive = (
+            "max_body_bytes",
+            "max_buffered_bytes",
+            "max_response_bytes",
+            "max_connections",
+            "max_upstream_conns",
+            "header_timeout_s",
+            "idle_timeout_s",
+            "upstream_timeout_s",
+        )
+        bad = [name for name in positive if not getattr(self, name) > 0]
+        if bad:
+            raise ConfigError(f"proxy settings {bad} must be positive")
+        if not valid_policy_version(self.policy_version):
+            raise ConfigError(f"policy_version must be an integer in [0, {MAX_POLICY_VERSION}]")
 
 
 class ProxyServer:
@@ -98,6 +119,7 @@ class ProxyServer:
         self._admin = b"Bearer " + str(cfg.admin_token).encode()
         self.instance = cfg.instance or f"p{os.getpid()}-{secrets.token_hex(3)}"
         self.policy_version = int(cfg.policy_version)
+        self.body_budget = BodyBudget(cfg.max_buffered_bytes)
         self.paused = False
         self.in_flight = 0
         self.port = cfg.port
@@ -115,6 +137,7 @@ class ProxyServer:
             "pause_timeouts": 0,
             "upstream_retries": 0,
             "capture_failures": 0,
+            "timed_out_connections": 0,
         }
         self._keys: dict[str, RolloutKey] = {}
         self._seq: dict[tuple[str, int, str], int] = {}
@@ -161,7 +184,13 @@ class ProxyServer:
         self._loop = loop
         cfg = self.config
         self._replicas = [
-            Replica(u, loop, connect_timeout_s=cfg.connect_timeout_s, api_key=cfg.upstream_api_key)
+            Replica(
+                u,
+                loop,
+                connect_timeout_s=cfg.connect_timeout_s,
+                api_key=cfg.upstream_api_key,
+                max_conns=cfg.max_upstream_conns,
+            )
             for u in cfg.upstreams
         ]
         self._resumed = asyncio.Event()
@@ -174,7 +203,7 @@ class ProxyServer:
             lambda: ClientConn(self), cfg.host, cfg.port, backlog=2048, reuse_address=True
         )
         self.port = self._server.sockets[0].getsockname()[1]
-        self._tick = min(1.0, cfg.upstream_timeout_s / 4)
+        self._tick = min(1.0, cfg.upstream_timeout_s / 4, cfg.header_timeout_s / 4, cfg.idle_timeout_s / 4)
         loop.call_later(self._tick, self._check_timeouts)
         log.info("proxy listening url=%s capture_dir=%s instance=%s", self.url, cfg.capture_dir, self.instance)
         return self.url
@@ -294,7 +323,7 @@ class ProxyServer:
                 await handle_admin(self, conn, req)
                 return
             att, path = self._authorize(req)
-            anthropic = path.endswith("/messages") or b"anthropic-version" in req.headers
+            anthropic = path.endswith(("/messages", "/count_tokens")) or b"anthropic-version" in req.headers
             if att is None:
                 self.stats["unauthorized"] += 1
                 conn.write(
@@ -356,14 +385,21 @@ class ProxyServer:
             msg = f"request body of {req.extra['too_large']} bytes exceeds the proxy limit of {limit} bytes"
             await self._fail(conn, req, header, 413, msg, anthropic)
             return
+        if "over_budget" in req.extra:
+            budget = self.config.max_buffered_bytes
+            msg = (
+                f"the proxy is already receiving {budget >> 20} MiB of request bodies (its --max-buffered-mb); "
+                "retry shortly"
+            )
+            await self._fail(conn, req, header, 503, msg, anthropic)
+            return
         if api is None:
             msg = f"unknown endpoint {req.method} {path}: the proxy serves {sorted(p for _, p in ROUTES)}"
             await self._fail(conn, req, header, 404, msg, anthropic)
             return
         body = req.body
-        changes: dict[str, Any] = {}
         stream = False
-        if api != "models":
+        if api != "models":  # a JSON body: checked here, so the upstream never sees a malformed one
             try:
                 obj = json.loads(body)
             except (ValueError, RecursionError) as exc:
@@ -376,8 +412,9 @@ class ProxyServer:
             header["stream"] = stream
             model = obj.get("model")
             header["model"] = model if isinstance(model, str) else None
-            body, changes = prepare_body(api, body, obj)
-            header["request_changes"] = changes
+            if api in TOKEN_APIS:
+                body, changes = prepare_body(api, body, obj)
+                header["request_changes"] = changes
         if self.paused:
             self.stats["paused_waits"] += 1
             try:
@@ -423,7 +460,7 @@ class ProxyServer:
         )
         query = header["query"]
         target = path + "?" + query if query else path
-        call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0")
+        call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=self.config.max_response_bytes)
         conn.call = call
         replicas = self._replicas
         start = zlib.crc32(att.rollout_id.encode()) % len(replicas) if len(replicas) > 1 else 0
@@ -441,45 +478,24 @@ class ProxyServer:
             await self._fail(conn, req, header, 502, last_error or "no upstream reachable", anthropic)
             return
         header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
-        response = b"".join(call.parts)
         outcome = call.outcome
-        if outcome == "end":
-            status = call.status
-            header["http_status"] = status
-            header["status"] = "ok" if status < 400 else "http_error"
-            if status >= 400:
-                header["error"] = response[:500].decode("utf-8", "replace")
-        elif outcome == "cancelled":
-            header["http_status"] = call.status or 499
-            header["status"] = "cancelled"
-            header["error"] = call.error
-        elif outcome == "shutdown":
-            header["status"] = "cancelled"
-            header["error"] = call.error
-            if call.streaming:
-                header["http_status"] = call.status
-            else:
-                header["http_status"] = 503
-                header["response_partial"] = len(response)
-                response = wire.error_body(503, f"{call.error}; retry the call", anthropic=anthropic)
-        else:
-            code = 504 if outcome == "timeout" else 502
-            header["status"] = "upstream_error"
-            header["error"] = call.error
+        verdict = judge(
+            Outcome(outcome, call.status, call.streaming, call.error, header["upstream"], call.size),
+            b"".join(call.parts),
+            anthropic=anthropic,
+        )
+        response = verdict.response
+        header.update(status=verdict.status, http_status=verdict.http_status, error=verdict.error)
+        if verdict.partial is not None:
+            header["response_partial"] = verdict.partial
+        if verdict.status == "upstream_error":
             log.warning(
                 "upstream failed rollout_id=%s upstream=%s error=%s",
                 header["rollout_id"],
                 header["upstream"],
                 call.error,
             )
-            if not call.streaming:
-                err = wire.error_body(code, f"upstream {header['upstream']}: {call.error}", anthropic=anthropic)
-                header["http_status"] = code
-                header["response_partial"] = len(response)
-                response = err
-            else:
-                header["http_status"] = call.status
-        if outcome == "end" and call.status < 400 and api != "models":
+        if verdict.status == "ok" and api in TOKEN_APIS:
             if TOKEN_IDS_KEY in response:
                 header["token_source"] = "upstream"
             elif self._retok is not None:
@@ -591,6 +607,9 @@ class ProxyServer:
             up = call.up
             if up is not None and now - up.last_activity > limit:
                 call.timed_out(limit)
+        for conn in list(self._conns):
+            if conn.time_out(now):
+                self.stats["timed_out_connections"] += 1
         if self._server is not None and self._server.is_serving():
             self._loop.call_later(self._tick, self._check_timeouts)
 
@@ -624,7 +643,9 @@ class ProxyServer:
     def resume_calls(self, policy_version: int | None = None) -> dict[str, Any]:
         """Set the stamped version (when given) and let waiting calls through."""
         if policy_version is not None:
-            self.policy_version = int(policy_version)
+            if not valid_policy_version(policy_version):
+                raise ConfigError(f"policy_version must be an integer in [0, {MAX_POLICY_VERSION}]")
+            self.policy_version = policy_version
         self.paused = False
         self._resumed.set()
         log.info("proxy resumed policy_version=%d", self.policy_version)

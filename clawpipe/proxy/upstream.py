@@ -9,11 +9,14 @@ list when a response ends cleanly with keep-alive; anything else closes it.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 from typing import Protocol
 from urllib.parse import urlsplit
 
 from clawpipe.errors import ConfigError
+from clawpipe.proxy.framing import MAX_CHUNK_LINE, MAX_HEAD, check_response_head
 from clawpipe.proxy.wire import chunk_size
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ class UpstreamConn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.usable = False
+        self.replica.closed(self)
         sink, self.sink = self.sink, None
         if sink is None:
             return
@@ -103,8 +107,10 @@ class UpstreamConn(asyncio.Protocol):
             return
         if state == _HEAD:
             end = data.find(b"\r\n\r\n")
+            if end > MAX_HEAD:
+                end = -1  # too large: reported below as if the head had not ended
             if end < 0:
-                if len(data) > 65536:
+                if len(data) > MAX_HEAD:
                     self.abort()
                     sink.up_fail(UpstreamClosed("upstream response head too large"), True)
                 else:
@@ -154,42 +160,20 @@ class UpstreamConn(asyncio.Protocol):
 
     # --- framing -----------------------------------------------------------------------------------
     def _parse_head(self, head: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise ValueError(lines[0][:80].decode("latin-1"))
-        status = int(parts[1])
-        headers: list[tuple[bytes, bytes]] = []
-        length = -1
-        chunked = False
-        keep_alive = parts[0] != b"HTTP/1.0"
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            lname = name.strip().lower()
-            value = value.strip()
-            if lname == b"content-length":
-                length = int(value)
-            elif lname == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif lname == b"connection":
-                low = value.lower()
-                if b"close" in low:
-                    keep_alive = False
-                elif b"keep-alive" in low:
-                    keep_alive = True
-            headers.append((lname, value))
-        self._keep_alive = keep_alive
+        framing = check_response_head(head)  # ValueError: ambiguous or malformed framing -> 502
+        status = framing.status
+        self._keep_alive = framing.keep_alive
         if status in (204, 304) or 100 <= status < 200:
             self._state = _DONE
-        elif chunked:
+        elif framing.chunked:
             self._state = _CHUNK_SIZE
-        elif length >= 0:
-            self._left = length
-            self._state = _LENGTH if length else _DONE
+        elif framing.length >= 0:
+            self._left = framing.length
+            self._state = _LENGTH if framing.length else _DONE
         else:
             self._keep_alive = False
             self._state = _UNTIL_CLOSE
-        return status, headers
+        return status, framing.headers
 
     def _chunked(self, data: bytes) -> None:
         sink = self.sink
@@ -207,14 +191,22 @@ class UpstreamConn(asyncio.Protocol):
                     self._state = _CHUNK_CRLF
                     self._left = 2
             elif state == _CHUNK_CRLF:
-                take = min(self._left, n - pos)
-                pos += take
-                self._left -= take
-                if self._left == 0:
-                    self._state = _CHUNK_SIZE
+                if n - pos < 2:
+                    self._buf = data[pos:]
+                    break
+                if data[pos : pos + 2] != b"\r\n":
+                    self.abort()
+                    sink.up_fail(UpstreamClosed("upstream chunk data not followed by CRLF"), True)
+                    return
+                pos += 2
+                self._state = _CHUNK_SIZE
             elif state == _CHUNK_SIZE:
                 nl = data.find(b"\r\n", pos)
                 if nl < 0:
+                    if n - pos > MAX_CHUNK_LINE:
+                        self.abort()
+                        sink.up_fail(UpstreamClosed("upstream chunk-size line too long"), True)
+                        return
                     self._buf = data[pos:]
                     break
                 line = data[pos:nl]
@@ -237,6 +229,10 @@ class UpstreamConn(asyncio.Protocol):
                     break
                 end = data.find(b"\r\n\r\n", pos)
                 if end < 0:
+                    if n - pos > MAX_HEAD:
+                        self.abort()
+                        sink.up_fail(UpstreamClosed("upstream trailer section too large"), True)
+                        return
                     self._buf = data[pos:]
                     break
                 pos = end + 4
@@ -283,7 +279,11 @@ class UpstreamConn(asyncio.Protocol):
 
 
 class Replica:
-    """One upstream server: base URL and its idle keep-alive connections."""
+    """One upstream server: base URL and a bounded pool of keep-alive connections.
+
+    At most ``max_conns`` connections are open at once; a call that finds none idle and the pool full waits
+    in line (first come, first served) for one to be released or closed.
+    """
 
     def __init__(
         self,
@@ -292,6 +292,7 @@ class Replica:
         *,
         connect_timeout_s: float = 5.0,
         max_idle: int = 256,
+        max_conns: int = 256,
         api_key: str | None = None,
     ) -> None:
         parts = urlsplit(url)
@@ -308,33 +309,83 @@ class Replica:
         self.auth_header = b"authorization: Bearer " + api_key.encode() + b"\r\n" if api_key else b""
         self.loop = loop
         self.connect_timeout_s = connect_timeout_s
-        self.max_idle = max_idle
+        self.max_idle = min(max_idle, max_conns)
+        self.max_conns = max_conns
         self.idle: list[UpstreamConn] = []
+        self.open = 0  # connections open or being opened
+        self.peak = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._live: set[UpstreamConn] = set()
         self.healthy = True
 
     async def acquire(self) -> tuple[UpstreamConn, bool]:
-        """An idle connection (reused=True) or a new one; raises OSError/TimeoutError if unreachable."""
+        """An idle connection (reused=True) or a new one, waiting while the pool is full; raises
+        OSError/TimeoutError if the upstream is unreachable."""
         idle = self.idle
-        while idle:
-            conn = idle.pop()
-            if conn.usable:
-                return conn, True
-        _, conn = await asyncio.wait_for(
-            self.loop.create_connection(lambda: UpstreamConn(self), self.host, self.port),
-            self.connect_timeout_s,
-        )
+        while True:
+            while idle:
+                conn = idle.pop()
+                if conn.usable:
+                    return conn, True
+            if self.open < self.max_conns:
+                break
+            fut: asyncio.Future[None] = self.loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except BaseException:
+                if not fut.cancelled() and fut.done():
+                    self._wake()  # a wake-up meant for this call goes to the next one
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+                raise
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(lambda: UpstreamConn(self), self.host, self.port),
+                self.connect_timeout_s,
+            )
+        except BaseException:
+            self.open -= 1
+            self._wake()
+            raise
+        if not conn.usable:  # lost before it could be used
+            self.open -= 1
+            self._wake()
+            raise ConnectionError(f"upstream {self.url} closed the connection at once")
+        self._live.add(conn)
         return conn, False
+
+    def _wake(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
 
     def release(self, conn: UpstreamConn) -> None:
         if len(self.idle) < self.max_idle:
             self.idle.append(conn)
+            self._wake()
         else:
-            conn.abort()
+            conn.abort()  # its connection_lost frees the slot
+
+    def closed(self, conn: UpstreamConn) -> None:
+        """A connection of this pool is gone: its slot goes to the next waiting call."""
+        if conn in self._live:
+            self._live.discard(conn)
+            self.open -= 1
+            self._wake()
 
     def close(self) -> None:
         for conn in self.idle:
             conn.abort()
         self.idle.clear()
+        while self._waiters:  # calls still waiting fail as if the upstream were down
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(ConnectionError("the proxy is shutting down"))
 
     def request_bytes(self, method: str, target: str, headers: bytes, body: bytes) -> bytes:
         """The request line, headers and body to send to this replica."""

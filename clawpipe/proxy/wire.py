@@ -1,4 +1,4 @@
-"""HTTP/1.1 wire helpers of the proxy: request-head parsing, response heads, OpenAI/Anthropic error bodies.
+"""HTTP/1.1 wire helpers of the proxy: chunk sizes, response heads, OpenAI/Anthropic error bodies.
 
 Kept deliberately small and allocation-light: the proxy's hot path runs through here once per call.
 """
@@ -22,6 +22,7 @@ REASONS = {
     431: "Request Header Fields Too Large",
     499: "Client Closed Request",
     500: "Internal Server Error",
+    501: "Not Implemented",
     502: "Bad Gateway",
     503: "Service Unavailable",
     504: "Gateway Timeout",
@@ -41,9 +42,11 @@ OPENAI_ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout",
     413: "invalid_request_error",
     431: "invalid_request_error",
     500: "server_error",
+    501: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout",
@@ -53,9 +56,11 @@ ANTHROPIC_ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "request_too_large",
     431: "invalid_request_error",
     500: "api_error",
+    501: "invalid_request_error",
     502: "api_error",
     503: "overloaded_error",
     504: "timeout_error",
@@ -83,26 +88,6 @@ class Request:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def parse_head(head: bytes) -> tuple[str, str, bytes, dict[bytes, bytes]]:
-    """Parse a request head (without the final CRLFCRLF) into method, target, version, lower-cased headers."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-        raise BadRequest(400, "malformed HTTP request line")
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            if line:
-                raise BadRequest(400, "malformed HTTP header line")
-            continue
-        headers[name.strip().lower()] = value.strip()
-    try:
-        return parts[0].decode("ascii"), parts[1].decode("ascii"), parts[2], headers
-    except UnicodeDecodeError as exc:
-        raise BadRequest(400, "non-ASCII request line") from exc
-
-
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 
 
@@ -113,32 +98,6 @@ def chunk_size(line: bytes) -> int:
     if not digits or len(digits) > 16 or not _HEX.issuperset(digits):
         raise ValueError(f"malformed chunk size {bytes(line[:40])!r}")
     return int(digits, 16)
-
-
-def dechunk(data: bytes | bytearray, pos: int, limit: int) -> tuple[bytes, int] | None:
-    """A chunked request body starting at ``pos``: (body, end offset), or None while incomplete."""
-    parts: list[bytes] = []
-    total = 0
-    while True:
-        nl = data.find(b"\r\n", pos)
-        if nl < 0:
-            return None
-        try:
-            size = chunk_size(bytes(data[pos:nl]))
-        except ValueError as exc:
-            raise BadRequest(400, "malformed chunk size in the request body") from exc
-        if size == 0:
-            if data[nl + 2 : nl + 4] == b"\r\n":
-                return b"".join(parts), nl + 4
-            end = data.find(b"\r\n\r\n", nl + 2)
-            return None if end < 0 else (b"".join(parts), end + 4)
-        total += size
-        if total > limit:
-            raise BadRequest(413, f"request body exceeds the proxy limit of {limit} bytes")
-        if len(data) < nl + 4 + size:
-            return None
-        parts.append(bytes(data[nl + 2 : nl + 2 + size]))
-        pos = nl + 4 + size
 
 
 def response_head(status: int, headers: list[tuple[bytes, bytes]] | tuple[()] = (), *, length: int | None) -> bytes:
