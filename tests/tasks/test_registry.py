@@ -88,3 +88,22 @@ def test_load_task_accepts_generated_tasks(tmp_path: Path) -> None:
         task = get_task_set(name).generate(1, seed=0)[0]
         (tmp_path / f"{name}.json").write_text(json.dumps(task))
         assert load_task(tmp_path / f"{name}.json") == task
+
+
+def test_one_task_check_for_task_files_and_runner_specs(tmp_path: Path) -> None:
+    from clawpipe import sandbox, tasks
+    from clawpipe.sandbox.manifest import load_task_file
+
+    assert sandbox.validate_task is tasks.validate_task
+    good = get_task_set("guess").generate(1, seed=0)[0]
+    for bad, match in [
+        ({**good, "task_id": "a/b"}, "without '/'"),  # the task loader used to accept it
+        ({**good, "sampling": [0.5]}, "`sampling` must be an object"),  # the runner's check used to accept it
+        ({**good, "max_turns": True}, "`max_turns` must be int"),
+        ({**good, "data": {"x": float("nan")}}, "not plain JSON"),
+    ]:
+        for loader in (load_task, load_task_file):
+            path = tmp_path / "task.json"
+            path.write_text(json.dumps(bad))
+            with pytest.raises(ManifestError, match=match):
+                loader(path)
