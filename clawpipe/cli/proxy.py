@@ -19,8 +19,26 @@ def register(app: typer.Typer) -> None:
         tokenizer: Path | None = typer.Option(
             None, "--tokenizer", help="Model dir with tokenizer.json + chat template, to retokenize id-less calls."
         ),
-        policy_version: int = typer.Option(0, "--policy-version", help="Version stamped on calls until changed."),
+        policy_version: int = typer.Option(
+            0, "--policy-version", min=0, max=2**31 - 1, help="Version stamped on calls until changed."
+        ),
         max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Larger request bodies get 413."),
+        max_buffered_mb: float = typer.Option(
+            128.0, "--max-buffered-mb", help="Request bodies still being received, all together; past it 503."
+        ),
+        max_response_mb: float = typer.Option(
+            256.0, "--max-response-mb", help="Larger upstream responses end the call as an upstream error."
+        ),
+        max_connections: int = typer.Option(4096, "--max-connections", help="Open client connections; more get 503."),
+        max_upstream_conns: int = typer.Option(
+            256, "--max-upstream-conns", help="Connections per upstream; more calls wait in line for one."
+        ),
+        header_timeout: float = typer.Option(
+            30.0, "--header-timeout", help="Seconds for a request head to arrive (and the longest pause in a body)."
+        ),
+        idle_timeout: float = typer.Option(
+            120.0, "--idle-timeout", help="Close keep-alive connections idle this long."
+        ),
         upstream_timeout: float = typer.Option(600.0, "--upstream-timeout", help="Seconds of upstream silence -> 504."),
         segment_mb: float = typer.Option(64.0, "--segment-mb", help="Rotate segments at this size."),
         segment_age: float = typer.Option(300.0, "--segment-age", help="Rotate segments at this age (s)."),
@@ -42,6 +60,12 @@ def register(app: typer.Typer) -> None:
             tokenizer_dir=tokenizer,
             policy_version=policy_version,
             max_body_bytes=int(max_body_mb * (1 << 20)),
+            max_buffered_bytes=int(max_buffered_mb * (1 << 20)),
+            max_response_bytes=int(max_response_mb * (1 << 20)),
+            max_connections=max_connections,
+            max_upstream_conns=max_upstream_conns,
+            header_timeout_s=header_timeout,
+            idle_timeout_s=idle_timeout,
             upstream_timeout_s=upstream_timeout,
             segment_max_bytes=int(segment_mb * (1 << 20)),
             segment_max_age_s=segment_age,

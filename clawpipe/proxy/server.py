@@ -689,6 +689,21 @@ def _rss_bytes() -> int:
         return 0
 
 
+def _raise_fd_limit(wanted: int) -> None:
+    """Raise the soft descriptor limit toward the hard one, so the connection caps, not the default soft
+    limit (often 1024), decide when the proxy refuses connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted + 256  # segments, logs, the listening socket
+    if soft != resource.RLIM_INFINITY and soft < target:
+        new = target if hard == resource.RLIM_INFINITY else min(hard, target)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < target:
+            log.warning("descriptor limit %d is below the proxy's connection caps (%d); raise ulimit -n", new, wanted)
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's loop when installed (lower CPU per call), else asyncio's."""
     try:
@@ -701,6 +716,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 def run_proxy(config: ProxyConfig | None = None, /, **kwargs: Any) -> None:
     """Run a proxy in the foreground until SIGINT/SIGTERM; logs its URL on start."""
     proxy = ProxyServer(config, **kwargs)
+    _raise_fd_limit(proxy.config.max_connections + len(proxy.config.upstreams) * proxy.config.max_upstream_conns)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
 
