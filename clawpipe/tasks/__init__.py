@@ -18,8 +18,12 @@ the plain JSON it wrote. Whatever a harness writes must never earn more than an 
 tests/tasks/forgery.py runs crafted outputs against every registered task set.
 
 Built-in sets: ``guess`` (multi-turn guess-a-number), ``calc`` (arithmetic with a calculator tool) and
-``fixit`` (make a small program's check pass). Register your own with :func:`register_task_set`, or name
-one as ``"package.module:attribute"`` and :func:`get_task_set` imports it.
+``fixit`` (make a small program's check pass). Each module's docstring states its transcript contract: what
+one turn is (one model call), which fields the verifier reads (``answer`` vs ``reply`` in guess, ``final``
+and the calculator calls in calc, no transcript at all in fixit) and what it ignores.
+
+Register your own with :func:`register_task_set`, or name one as ``"package.module:attribute"`` and
+:func:`get_task_set` imports it.
 """
 
 from __future__ import annotations

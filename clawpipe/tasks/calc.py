@@ -1,9 +1,18 @@
 """``calc``: arithmetic with a calculator tool called through native tool calls.
 
 The harness offers one tool, ``calculator(expression: str)``, evaluates the model's calls itself and sends
-the results back (OpenAI ``tool`` messages / Anthropic ``tool_result`` blocks). It records every model turn
-as ``{"reply": text, "tool_calls": [{"name", "arguments", "result"}]}`` and the model's last text reply as
-``"final"`` in ``out/transcript.json``.
+the results back (OpenAI ``tool`` messages / Anthropic ``tool_result`` blocks).
+
+Transcript contract (``out/transcript.json``: a regular file, one plain JSON object, at most 4 MiB and 64
+levels, no NaN or duplicate keys; anything else is reward 0 with a reason):
+
+- ``turns``: a list with ONE ENTRY PER MODEL CALL, in order: ``{"reply": <the call's text, "" when it only
+  called tools>, "tool_calls": [{"name": "calculator", "arguments": <a JSON string or an object holding
+  "expression": string>, "result": <what the harness answered>}]}``.
+- ``final``: the model's last text reply, a string. When it is not a string, the last turn's ``reply``
+  stands in. The answer is the LAST number in it (``-?[0-9]+(.[0-9]+)?``).
+- The verifier evaluates each ``calculator`` call's ``expression`` itself; ``result`` is ignored, as are
+  calls with another name, entries that are not objects, ``answer`` keys and every other field.
 
 Reward: 1.0 when the last number in ``final`` equals the answer; otherwise 0.5 when a calculator call's
 expression evaluates to the answer (the tool was used properly, the answer not reported); 0.2 for any

@@ -15,8 +15,19 @@ Rules a harness implements (it plays the environment; the verifier recomputes ev
 each turn the model replies; the guess is the first ``[0-9]+`` in the reply; feedback is "Higher." (guess
 below the number), "Lower." (above), "Correct!" (ends the game); a reply without a number from LO to HI
 ends the game (record the turn, feedback "No number from LO to HI. Game over."). At most ``max_turns``
-turns. The harness records every turn as ``{"reply": text}`` in ``out/transcript.json``'s ``turns``, plus
-``"answer": text`` when the guess came from elsewhere than the reply text (e.g. a tool call's argument).
+turns.
+
+Transcript contract (``out/transcript.json``: a regular file, one plain JSON object, at most 4 MiB and 64
+levels, no NaN or duplicate keys; anything else is reward 0 with a reason):
+
+- ``turns``: a list with ONE ENTRY PER MODEL CALL of the game, in order. An entry is an object
+  ``{"reply": <the model's text, a string>}`` plus ``"answer": <string>`` when the guess came from
+  elsewhere than the text (the ``number`` argument of a ``guess`` tool call; tool-agent does this).
+- The turn's guess is read from ``answer`` when it is a string, else from ``reply``: the first run of
+  ASCII digits. A non-string is read as "" (no guess: game over).
+- Ignored: entries that are not objects, every other key (``feedback``, ``tool_calls``, ``reward``...),
+  turns past ``max_turns``, turns after the game ended (a hit, or a turn without an in-range guess), and
+  the top-level ``final`` and status fields.
 
 Reward: the mean over ``max_turns`` turn scores. A turn with an in-range guess scores 1 for a hit
 (and the remaining turns keep that score: the game is won), MISS_BASE + MISS_CLOSENESS * (1 - |guess -

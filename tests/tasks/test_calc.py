@@ -63,3 +63,39 @@ def test_verify_survives_garbage_output(tmp_path: Path, payload: object) -> None
     reward, info = CALC.verify(CALC.generate(1, seed=0)[0], tmp_path)
     assert reward == 0.0 and info["reason"]
     assert CALC.verify(CALC.generate(1, seed=0)[0], tmp_path / "missing")[0] == 0.0
+
+
+def test_transcript_contract_final_and_re_evaluated_calls(tmp_path: Path) -> None:
+    task = CALC.generate(1, seed=0)[0]
+    d = task["data"]
+    wrong = d["answer"] + 1
+    cases = {
+        "the last number of final": ({"turns": [], "final": f"{wrong}? no: {d['answer']}"}, 1.0),
+        "a non-string final: the last reply": ({"turns": [{"reply": f"= {d['answer']}"}], "final": None}, 1.0),
+        "answer keys are ignored": ({"turns": [{"reply": str(wrong), "answer": str(d["answer"])}]}, 0.0),
+        "a call's result is ignored": (
+            {
+                "turns": [
+                    {
+                        "reply": "",
+                        "tool_calls": [
+                            {"name": "calculator", "arguments": {"expression": "1+1"}, "result": str(d["answer"])}
+                        ],
+                    }
+                ],
+                "final": str(wrong),
+            },
+            0.2,
+        ),
+        "arguments as an object": (
+            {
+                "turns": [
+                    {"reply": "", "tool_calls": [{"name": "calculator", "arguments": {"expression": d["expression"]}}]}
+                ]
+            },
+            0.5,
+        ),
+    }
+    for name, (transcript, expected) in cases.items():
+        write_transcript(tmp_path, transcript)
+        assert CALC.verify(task, tmp_path)[0] == expected, name

@@ -142,3 +142,22 @@ def test_verify_never_raises_on_any_json(tmp_path: Path, payload: object) -> Non
     reward, info = GUESS.verify(GUESS.generate(1, seed=0)[0], tmp_path)
     assert 0.0 <= reward <= 1.0
     json.dumps(info)
+
+
+def test_transcript_contract_one_turn_per_call_answer_over_reply(tmp_path: Path) -> None:
+    task = GUESS.generate(1, seed=0)[0]
+    target = str(task["data"]["target"])
+    miss = "1" if target != "1" else "2"
+    cases = {
+        "answer wins over reply": ([{"reply": miss, "answer": target}], 1.0),
+        "a non-string answer falls back to the reply": ([{"reply": target, "answer": 7}], 1.0),
+        "a non-string reply is no guess": ([{"reply": int(target)}], 0.0),
+        "final and reward claims are ignored": ([{"reply": miss, "reward": 1.0, "feedback": "Correct!"}], None),
+    }
+    for name, (turns, expected) in cases.items():
+        write_transcript(tmp_path, {"turns": turns, "final": target, "reward": 1.0, "solved": True})
+        reward, _ = GUESS.verify(task, tmp_path)
+        if expected is None:
+            write_transcript(tmp_path, {"turns": [{"reply": miss}]})
+            expected = GUESS.verify(task, tmp_path)[0]
+        assert reward == expected, name
