@@ -7,7 +7,10 @@ import time
 
 import httpx
 import openai
+import pytest
 
+from clawpipe.errors import ConfigError
+from clawpipe.proxy import ProxyConfig
 from tests.proxy.conftest import ADMIN, ProxyHandle
 from tests.support.upstream import ScriptedUpstream
 
@@ -119,3 +122,62 @@ def test_pause_reports_undrained_when_a_call_outlives_the_wait(proxy: ProxyHandl
     httpx.post(f"{proxy.url}/admin/resume", headers=AUTH)
     t.join(10)
     assert proxy.records()[0].header["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/admin/policy_version", {"policy_version": 10**30}),
+        ("/admin/policy_version", {"policy_version": 2**31}),
+        ("/admin/policy_version", {"policy_version": -1}),
+        ("/admin/resume", {"policy_version": 2**31}),
+        ("/admin/resume", {"policy_version": -5}),
+        ("/admin/pause", {"wait_s": 1e9}),
+        ("/admin/pause", {"wait_s": -1}),
+    ],
+)
+def test_out_of_range_admin_values_are_400_and_change_nothing(proxy: ProxyHandle, path: str, body: dict):
+    """One bound for policy_version wherever the proxy takes it, [0, 2**31 - 1], so every captured record lands."""
+    r = httpx.post(f"{proxy.url}{path}", json=body, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and ("2147483647" in r.text or "3600" in r.text)
+    assert proxy.server.policy_version == 0 and not proxy.server.paused
+
+
+def test_infinite_or_nan_wait_is_400(proxy: ProxyHandle):
+    for bad in ('{"wait_s": Infinity}', '{"wait_s": NaN}'):
+        r = httpx.post(f"{proxy.url}/admin/pause", content=bad, headers=AUTH, timeout=10)
+        assert r.status_code == 400 and not proxy.server.paused
+
+
+def test_the_largest_policy_version_is_accepted_and_stamped(proxy: ProxyHandle, upstream):
+    r = httpx.post(f"{proxy.url}/admin/policy_version", json={"policy_version": 2**31 - 1}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"policy_version": 2**31 - 1}
+    openai.OpenAI(base_url=proxy.openai_base("v"), api_key="x", max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}]
+    )
+    (rec,) = proxy.records()
+    assert rec.header["policy_version"] == 2**31 - 1
+
+
+def test_out_of_range_policy_versions_are_refused_at_start(tmp_path):
+    for bad in (-1, 2**31, True):
+        with pytest.raises(ConfigError, match="policy_version"):
+            ProxyConfig(upstreams=["http://127.0.0.1:1"], capture_dir=tmp_path, policy_version=bad)
+
+
+def test_admin_tokens_and_key_macs_are_compared_in_constant_time(proxy: ProxyHandle, upstream, monkeypatch):
+    import hmac
+
+    seen: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    assert httpx.get(f"{proxy.url}/admin/health", headers={"authorization": "Bearer nope"}).status_code == 401
+    assert any(b"nope" in bytes(a) for a, _ in seen)
+    seen.clear()
+    r = httpx.post(f"{proxy.openai_base('fresh-key')}/chat/completions", json={"model": "m", "messages": []})
+    assert r.status_code == 200 and seen  # the key's MAC
