@@ -46,6 +46,7 @@ class RolloutStatus(enum.StrEnum):
     timeout = "timeout"
     oom = "oom"
     crashed = "crashed"
+    disk_quota = "disk_quota"  # the work dir and logs outgrew the harness's [resources] disk_mb
     infra_error = "infra_error"
 
 

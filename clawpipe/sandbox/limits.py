@@ -38,6 +38,7 @@ class Limits:
     memory_mb: int = 1024
     cpus: float = 1.0
     pids: int = 128
+    disk_mb: int = 1024  # work dir, task and logs (a tmpfs per rollout; see clawpipe.sandbox.quota)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +271,13 @@ def apply_rlimits(pid: int, limits: Limits, missing: set[str], timeout_s: float)
     if "cpu" in missing:
         secs = max(1, int(limits.cpus * timeout_s) + 1)
         resource.prlimit(pid, resource.RLIMIT_CPU, (secs, secs + 1))
+
+
+def apply_file_size_limit(pid: int, limits: Limits) -> None:
+    """No single file may outgrow the disk quota (the kernel's own check; the only one where no per-rollout
+    tmpfs can be mounted)."""
+    size = limits.disk_mb << 20
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, size))
 
 
 def connection_cap(concurrency: int, wanted: int, nofile: int) -> int:

@@ -58,7 +58,7 @@ _TOP_KEYS = {
     "sandbox",
 }
 _SANDBOX_KEYS = {"ro_paths"}
-_RESOURCE_KEYS = {"memory_mb", "cpus", "pids"}
+_RESOURCE_KEYS = {"memory_mb", "cpus", "pids", "disk_mb"}
 _TRAINING_KEYS = {"exclude_side_calls"}
 
 
@@ -193,22 +193,26 @@ def parse_manifest(data: Mapping[str, Any], path: Path) -> HarnessManifest:
 
 def _parse_resources(path: Path, res: Any) -> Limits:
     if not isinstance(res, dict):
-        raise _fail(path, "[resources] must be a table with memory_mb, cpus, pids")
+        raise _fail(path, "[resources] must be a table with memory_mb, cpus, pids, disk_mb")
     if set(res) - _RESOURCE_KEYS:
         raise _fail(
-            path, f"unknown [resources] key(s) {sorted(set(res) - _RESOURCE_KEYS)}; allowed: memory_mb, cpus, pids"
+            path,
+            f"unknown [resources] key(s) {sorted(set(res) - _RESOURCE_KEYS)}; allowed: memory_mb, cpus, pids, disk_mb",
         )
     d = Limits()
     memory_mb = res.get("memory_mb", d.memory_mb)
     cpus = res.get("cpus", d.cpus)
     pids = res.get("pids", d.pids)
+    disk_mb = res.get("disk_mb", d.disk_mb)
     if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not 16 <= memory_mb <= 1 << 20:
         raise _fail(path, f"`resources.memory_mb` must be an integer from 16 to 1048576, got {memory_mb!r}")
     if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not 0.01 <= cpus <= 1024:
         raise _fail(path, f"`resources.cpus` must be a number from 0.01 to 1024, got {cpus!r}")
     if isinstance(pids, bool) or not isinstance(pids, int) or not 4 <= pids <= 1 << 20:
         raise _fail(path, f"`resources.pids` must be an integer from 4 up, got {pids!r}")
-    return Limits(memory_mb=memory_mb, cpus=float(cpus), pids=pids)
+    if isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or not 1 <= disk_mb <= 1 << 20:
+        raise _fail(path, f"`resources.disk_mb` must be an integer from 1 to 1048576 (MiB), got {disk_mb!r}")
+    return Limits(memory_mb=memory_mb, cpus=float(cpus), pids=pids, disk_mb=disk_mb)
 
 
 def _parse_sandbox(path: Path, table: Any) -> tuple[Path, ...]:

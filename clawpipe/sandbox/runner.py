@@ -31,9 +31,10 @@ from clawpipe.errors import ConfigError, ManifestError, SandboxError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob, get_backend
 from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
-from clawpipe.sandbox.fstree import Entry, remove_tree, walk
+from clawpipe.sandbox.fstree import Entry, walk
 from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
+from clawpipe.sandbox.quota import mount_quota, over_quota, release
 from clawpipe.sandbox.verify import preflight, verify_rollout
 from clawpipe.schemas import RolloutStatus
 
@@ -198,12 +199,13 @@ def _open_tree(path: Path) -> None:
             os.chmod(entry.name, 0o666, dir_fd=entry.dir_fd)
 
 
-def _remove_rollout_dir(rdir: Path) -> None:
-    """Remove a rollout's folder (any depth); a failure is logged, never raised: the row is already written."""
+def _release_rollout_dir(rdir: Path, keep: bool) -> None:
+    """Unmount and remove a rollout's folder (any depth), or with ``keep`` leave its contents on disk there; a
+    failure is logged, never raised: the row is already written."""
     try:
-        remove_tree(rdir)
+        release(rdir, keep=keep)
     except OSError as exc:
-        logger.warning("could not remove rollout folder %s: %s", rdir, exc)
+        logger.warning("could not release rollout folder %s: %s", rdir, exc)
 
 
 def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
@@ -254,7 +256,9 @@ class _Batch:
 
     def prepare_dir(self, spec: RolloutSpec, manifest: HarnessManifest) -> Path:
         rdir = self.scratch / spec.run_id / f"iter-{spec.iteration}" / spec.id
-        remove_tree(rdir)  # a rerun's leftovers
+        release(rdir)  # a rerun's leftovers, also a tmpfs that a killed runner left mounted
+        rdir.mkdir(parents=True)
+        mount_quota(rdir, manifest.limits.disk_mb)  # work dir, task and logs share the rollout's disk quota
         work = rdir / "work"
         (work / "out").mkdir(parents=True)
         (work / "home").mkdir()
@@ -316,11 +320,16 @@ class _Batch:
         if outcome is not None and rdir is not None:
             try:
                 result.status = classify(outcome)
-                if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a
-                    result.status = RolloutStatus.infra_error  # retry would flood again, so it is not retried
                 result.exit_code = outcome.exit_code
                 result.n_calls = outcome.requests
                 result.error = "; ".join(outcome.notes) or None
+                if over_quota(rdir, manifest.limits.disk_mb, outcome.signal):
+                    result.status = RolloutStatus.disk_quota  # its stderr may be cut short: the logs share the quota
+                    result.error = (
+                        f"work dir and logs reached the disk quota ([resources] disk_mb = {manifest.limits.disk_mb})"
+                    )
+                if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a
+                    result.status = RolloutStatus.infra_error  # retry would flood again, so it is not retried
                 result.stderr_tail = _tail(rdir / "stderr.log")
                 if result.status == RolloutStatus.failed and _ends_with_memory_error(result.stderr_tail):
                     result.status = RolloutStatus.oom  # the rlimit fallback: Python raised MemoryError
@@ -336,10 +345,9 @@ class _Batch:
         with self._lock:
             append_result(path, result.to_row())
         if rdir is not None:
-            if self.keep_workdirs:
+            _release_rollout_dir(rdir, keep=self.keep_workdirs)
+            if self.keep_workdirs and rdir.is_dir():
                 result.workdir = str(rdir / "work")
-            else:
-                _remove_rollout_dir(rdir)
         return result
 
     def score(self, result: RolloutResult, spec: RolloutSpec, work: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from clawpipe.errors import ConfigError, SandboxError
 from clawpipe.sandbox.bridge import Bridge, Route
-from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_rlimits
+from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_file_size_limit, apply_rlimits
 from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest
 
 SANDBOX_UID = 65534  # nobody
@@ -200,6 +200,7 @@ def confine(pid: int, job: SandboxJob, layout: CgroupLayout) -> Cgroup:
             raise SandboxError(f"cgroup setup failed for {job.rollout_id}: {exc}") from exc
         if missing:
             apply_rlimits(pid, job.limits, missing, job.timeout_s)
+        apply_file_size_limit(pid, job.limits)
     except BaseException:
         if cgroup is not None:
             cgroup.remove()  # kills whatever got in, then removes the group

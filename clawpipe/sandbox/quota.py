@@ -1,0 +1,97 @@
+"""Per-rollout disk quota: each rollout's folder (work dir, task, logs) is its own size-limited tmpfs.
+
+As root the runner mounts a tmpfs of ``disk_mb`` on the rollout folder before anything is written there;
+a harness that writes past it gets ENOSPC in that folder alone, and the rollout's status becomes
+``disk_quota`` (the folder was full when the harness ended). The tmpfs's pages are charged to the memory
+cgroup of the process that writes them, so work-dir bytes also count toward the sandbox's memory limit,
+and the host's disks are never touched. Unmounting frees everything at once, at any depth.
+
+Where mounting is not allowed (not root, or a container without CAP_SYS_ADMIN) the fallback is weaker
+but still enforced by the kernel per file: RLIMIT_FSIZE of ``disk_mb`` (a bigger file gets EFBIG or
+SIGXFSZ), and the folder's total is measured after the run; over the quota is ``disk_quota`` too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import signal
+from pathlib import Path
+
+from clawpipe.sandbox.fstree import copy_tree, remove_tree, walk
+
+logger = logging.getLogger(__name__)
+
+MS_NOSUID, MS_NODEV = 0x2, 0x4
+MNT_DETACH = 0x2
+FULL_SLACK_BYTES = 256 * 1024  # less than this left on the tmpfs when the harness ended: it ran out
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_warned = False
+
+
+def mount_quota(folder: Path, disk_mb: int) -> bool:
+    """Mount a ``disk_mb`` tmpfs on the (existing, empty) ``folder``; False where mounting is not allowed."""
+    global _warned
+    opts = f"size={disk_mb}m,mode=0755".encode()
+    if _libc.mount(b"clawpipe-rollout", os.fsencode(folder), b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err not in (errno.EPERM, errno.EACCES):
+        raise OSError(err, f"mount tmpfs on {folder}: {os.strerror(err)}")
+    if not _warned:
+        _warned = True
+        logger.warning(
+            "cannot mount a tmpfs per rollout (%s): disk quotas fall back to a per-file size limit and a "
+            "size check after each run; run as root for a hard quota",
+            os.strerror(err),
+        )
+    return False
+
+
+def unmount_quota(folder: Path) -> None:
+    """Unmount the rollout folder's tmpfs if it has one (lazily: a process still inside keeps it alive)."""
+    while os.path.ismount(folder):  # a loop: a killed runner's rerun may find one mounted over another
+        if _libc.umount2(os.fsencode(folder), MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"umount {folder}: {os.strerror(err)}")
+
+
+def used_bytes(folder: Path) -> int:
+    """Bytes allocated under ``folder``: the tmpfs's own count, or a walk where there is none."""
+    if os.path.ismount(folder):
+        st = os.statvfs(folder)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+    return sum(e.st.st_blocks * 512 for e in walk(folder))
+
+
+def over_quota(folder: Path, disk_mb: int, killed_by: int | None = None) -> bool:
+    """Whether the rollout ran out of its quota: its tmpfs is (nearly) full, or, without one, the folder
+    holds more than ``disk_mb`` or the harness was killed for a file over RLIMIT_FSIZE."""
+    if killed_by == signal.SIGXFSZ:
+        return True
+    if os.path.ismount(folder):
+        st = os.statvfs(folder)
+        return st.f_bavail * st.f_frsize < FULL_SLACK_BYTES
+    return used_bytes(folder) > disk_mb << 20
+
+
+def release(folder: Path, keep: bool = False) -> None:
+    """Free a rollout folder: unmount its tmpfs and remove it; with ``keep``, its contents stay at the same
+    path on disk (copied out of the tmpfs first)."""
+    if not os.path.ismount(folder):
+        if not keep:
+            remove_tree(folder)
+        return
+    if keep:
+        staging = folder.with_name(f".{folder.name}.keep")
+        remove_tree(staging)
+        copy_tree(folder, staging)
+        unmount_quota(folder)
+        os.rmdir(folder)
+        os.rename(staging, folder)
+        return
+    unmount_quota(folder)
+    remove_tree(folder)

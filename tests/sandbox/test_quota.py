@@ -1,0 +1,126 @@
+"""Per-rollout disk quotas: a harness that writes past [resources] disk_mb gets `disk_quota`, its neighbour
+and the host's disks are unaffected."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clawpipe.errors import ManifestError
+from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
+from clawpipe.sandbox import runner as runner_module
+from clawpipe.sandbox.limits import Limits
+from tests.sandbox.support import URLLIB_HARNESS, EchoTaskSet, Upstream, make_harness
+
+FILL_WORKDIR = """
+import os, sys
+chunk = b"x" * (1 << 20)
+written = 0
+try:
+    with open(os.path.join(os.environ["CLAWPIPE_WORKDIR"], "big.bin"), "wb") as f:
+        for _ in range(64):
+            f.write(chunk)
+            f.flush()
+            written += 1
+except OSError as exc:
+    print(f"stopped after {written} MiB: {exc}", file=sys.stderr)
+"""
+
+FILL_LOGS = """
+import sys
+line = "y" * 1023 + "\\n"
+for _ in range(64 * 1024):
+    sys.stdout.write(line)
+"""
+
+MANY_FILES = """
+import os
+for i in range(40):
+    with open(os.path.join(os.environ["CLAWPIPE_WORKDIR"], f"part{i}.bin"), "wb") as f:
+        f.write(b"z" * (1 << 20))
+"""
+
+
+def run(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, backend: str, harnesses: list[Any]) -> list[Any]:
+    task = echo.generate(1)[0]
+    specs = [
+        RolloutSpec(run_id="quota", iteration=0, harness=m, task=task, model="m", sample_idx=i)
+        for i, m in enumerate(harnesses)
+    ]
+    return run_rollouts(
+        specs,
+        proxy_url=upstream.url,
+        backend=backend,
+        concurrency=len(specs),
+        results_path=tmp_path / "results.jsonl",
+        secret=b"s",
+        scratch_dir=tmp_path / "scratch",
+        task_sets={"echo": echo},
+    )
+
+
+def disk_free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.parametrize("backend", ["process", pytest.param("bwrap", marks=pytest.mark.sandbox)])
+def test_writing_past_the_quota_is_disk_quota_and_the_neighbour_is_unaffected(
+    backend: str, tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    quota = {"disk_mb": 16}
+    fill = load_manifest(make_harness(tmp_path / "h", "fill", FILL_WORKDIR, resources=quota))
+    logs = load_manifest(make_harness(tmp_path / "h", "logs", FILL_LOGS, resources=quota))
+    normal = load_manifest(make_harness(tmp_path / "h", "normal", URLLIB_HARNESS, resources=quota))
+    free = disk_free(tmp_path)
+    res = run(tmp_path, upstream, echo, backend, [fill, logs, normal])
+    assert [r.status for r in res] == ["disk_quota", "disk_quota", "succeeded"], [r.stderr_tail[-300:] for r in res]
+    assert "disk quota ([resources] disk_mb = 16)" in res[0].error  # stderr itself hit the quota: it says nothing
+    assert res[2].reward == 1.0 and res[2].n_calls == 1
+    assert free - disk_free(tmp_path) < 8 << 20  # 64 MiB written twice, none of it on the host's disk
+    assert not [p for p in (tmp_path / "scratch").rglob("*") if p.name == "work"]  # unmounted and removed
+
+
+@pytest.mark.parametrize("backend", ["process", pytest.param("bwrap", marks=pytest.mark.sandbox)])
+def test_kept_work_dirs_survive_the_unmount(
+    backend: str, tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    normal = load_manifest(make_harness(tmp_path / "h", "normal", URLLIB_HARNESS))
+    task = echo.generate(1)[0]
+    res = run_rollouts(
+        [RolloutSpec(run_id="quota", iteration=0, harness=normal, task=task, model="m")],
+        proxy_url=upstream.url,
+        backend=backend,
+        results_path=tmp_path / "results.jsonl",
+        secret=b"s",
+        scratch_dir=tmp_path / "scratch",
+        task_sets={"echo": echo},
+        keep_workdirs=True,
+    )
+    work = Path(res[0].workdir)
+    assert (work / "out" / "answer.txt").read_text() == "42"
+    assert (work / "start.txt").is_file() and not os.path.ismount(work.parent)
+
+
+def test_without_a_mount_the_quota_is_a_file_size_limit_and_a_size_check(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no tmpfs can be mounted (no CAP_SYS_ADMIN): one file over the quota is stopped by the kernel
+    (RLIMIT_FSIZE), many smaller files are caught by the size check after the run."""
+    monkeypatch.setattr(runner_module, "mount_quota", lambda folder, disk_mb: False)
+    quota = {"disk_mb": 16}
+    big = load_manifest(make_harness(tmp_path / "h", "big", FILL_WORKDIR, resources=quota))
+    many = load_manifest(make_harness(tmp_path / "h", "many", MANY_FILES, resources=quota))
+    normal = load_manifest(make_harness(tmp_path / "h", "normal", URLLIB_HARNESS, resources=quota))
+    res = run(tmp_path, upstream, echo, "process", [big, many, normal])
+    assert [r.status for r in res] == ["disk_quota", "disk_quota", "succeeded"], [r.stderr_tail[-300:] for r in res]
+
+
+def test_disk_mb_is_read_from_the_manifest_with_a_default(tmp_path: Path) -> None:
+    assert load_manifest(make_harness(tmp_path, "dflt", "pass\n")).limits.disk_mb == Limits().disk_mb == 1024
+    assert load_manifest(make_harness(tmp_path, "small", "pass\n", resources={"disk_mb": 64})).limits.disk_mb == 64
+    with pytest.raises(ManifestError, match=r"`resources.disk_mb` must be an integer from 1 to 1048576"):
+        load_manifest(make_harness(tmp_path, "bad", "pass\n", resources={"disk_mb": 0}))
