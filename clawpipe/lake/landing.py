@@ -22,24 +22,25 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clawpipe import schemas, tables
-from clawpipe.lake import manifest, sources
-from clawpipe.lake.parse import ParseError, parse_response
+from clawpipe.lake import manifest, rows, sources
+from clawpipe.lake.parse import parse_response
 from clawpipe.tables import TMP_SUFFIX, LakeFS
 
 log = logging.getLogger(__name__)
 
 _SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
 _RECORD_PREVIEW = 2000
+_RESPONSE = schemas.MODEL_CALLS.get_field_index("response")
+_SEGMENT = schemas.MODEL_CALLS.get_field_index("segment")
+_OFFSET = schemas.MODEL_CALLS.get_field_index("offset")
 # Fault injection for the kill tests: SIGKILL this process right after publishing the parts of the
 # N-th batch (1-based), before its commit: the worst moment to die.
 _CRASH_ENV = "CLAWPIPE_LAKE_CRASH_BEFORE_COMMIT"
@@ -75,91 +76,8 @@ def _check_part(value: Any, what: str) -> str:
     return value
 
 
-def _num(v: Any, kind: type, what: str) -> Any:
-    """``v`` as int/float (None stays None); a value of another type is a reject, not a crash at flush."""
-    if v is None or (type(v) is kind):
-        return v
-    if isinstance(v, bool) or not isinstance(v, int | float | str):
-        raise ValueError(f"header {what} is a {type(v).__name__}, not a number")
-    try:
-        return kind(v)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"header {what}={v!r} is not a number") from exc
-
-
-def _text(v: Any) -> str | None:
-    """``v`` for a string column: text as is, JSON for structures, str() for the rest (never a crash at flush)."""
-    if v is None or v.__class__ is str:
-        return v
-    if isinstance(v, dict | list):
-        return orjson.dumps(v).decode()
-    return str(v)
-
-
-def _us(t: Any) -> int | None:
-    return None if t is None else int(float(t) * 1_000_000)
-
-
 def _json_or_none(v: Any) -> str | None:
     return None if v is None else orjson.dumps(v).decode()
-
-
-_LIST_DTYPES = {schemas.IDS: np.int32, schemas.LOGPROBS: np.float32}
-_BYTES_COLUMNS = frozenset({"request", "response"})  # kept as the captured bytes until the Arrow cast
-
-
-def _np_or_none(values: Any, dtype: Any) -> np.ndarray | None:
-    if values is None or isinstance(values, np.ndarray):
-        return values
-    return np.fromiter(values, dtype=dtype, count=len(values))
-
-
-def _list_array(items: tuple[Any, ...], dtype: Any, value_type: pa.DataType) -> pa.Array:
-    """A list<value_type> Arrow array from per-row lists or NumPy arrays (None = null).
-
-    Runs of Python lists are flattened in one C loop (``np.fromiter`` over a chain): cheaper than a
-    NumPy conversion per row.
-    """
-    n = len(items)
-    offsets = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum([0 if x is None else len(x) for x in items], out=offsets[1:])
-    pieces: list[np.ndarray] = []
-    run: list[Any] = []
-    for x in items:
-        if x is None or not len(x):
-            continue
-        if isinstance(x, np.ndarray):
-            if run:
-                pieces.append(np.fromiter(chain.from_iterable(run), dtype=dtype, count=sum(map(len, run))))
-                run = []
-            pieces.append(x.astype(dtype, copy=False))
-        else:
-            run.append(x)
-    if run:
-        pieces.append(np.fromiter(chain.from_iterable(run), dtype=dtype, count=sum(map(len, run))))
-    values = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
-    nulls = [x is None for x in items]
-    mask = pa.array(nulls, type=pa.bool_()) if any(nulls) else None
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type), mask=mask)
-
-
-def _calls_table(rows: list[tuple[Any, ...]]) -> pa.Table:
-    """Arrow table of model_calls rows (tuples in schema order), column by column."""
-    cols = list(zip(*rows, strict=True))
-    arrays = []
-    for f, col in zip(schemas.MODEL_CALLS, cols, strict=True):
-        if f.type in _LIST_DTYPES:
-            arrays.append(_list_array(col, _LIST_DTYPES[f.type], f.type.value_type))
-        elif f.name in _BYTES_COLUMNS:
-            try:
-                arrays.append(pa.array(col, type=pa.binary()).cast(pa.string()))
-            except pa.ArrowInvalid:  # not UTF-8: keep what can be read
-                arrays.append(pa.array([None if v is None else v.decode("utf-8", "replace") for v in col], pa.string()))
-        elif pa.types.is_timestamp(f.type):
-            arrays.append(pa.array(col, type=pa.int64()).view(f.type))
-        else:
-            arrays.append(pa.array(col, type=f.type))
-    return pa.Table.from_arrays(arrays, schema=schemas.MODEL_CALLS)
 
 
 class _Partition:
@@ -184,8 +102,14 @@ def _landed_call_ids(lake: LakeFS, rel: str) -> set[str]:
 class _Batch:
     """One unit of commit: parts per partition, rejects, rollout rows and the source ranges they cover."""
 
-    def __init__(self, lake: LakeFS, state: manifest.ManifestState, partitions: dict[tuple[str, int], _Partition]):
-        self.lake, self.state, self.partitions = lake, state, partitions
+    def __init__(
+        self,
+        lake: LakeFS,
+        state: manifest.ManifestState,
+        partitions: dict[tuple[str, int], _Partition],
+        report: LandingReport,
+    ) -> None:
+        self.lake, self.state, self.partitions, self.report = lake, state, partitions, report
         self.id = uuid.uuid4().hex
         self.parts: list[str] = []
         self.segments: dict[str, list[Any]] = {}  # key -> [start, end, done]
@@ -226,6 +150,8 @@ class _Batch:
 
     # -- rows ---------------------------------------------------------------------------------------
     def partition(self, run_id: Any, iteration: int) -> _Partition:
+        if run_id.__class__ is not str:
+            raise rows.BadValue(f"header run_id is a {type(run_id).__name__}, not a string")
         p = self.partitions.get((run_id, iteration))
         if p is None:
             run_id = _check_part(run_id, "run_id")
@@ -233,18 +159,46 @@ class _Batch:
         return p
 
     def flush_rows(self) -> None:
-        """Write buffered rows as one row group per partition."""
+        """Write buffered rows as one row group per partition; rows whose lists do not fit become rejects."""
         for p in self.partitions.values():
             if not p.rows:
+                continue
+            table = self._calls_table(p)
+            p.rows = []
+            if table is None:
                 continue
             if p.writer is None:
                 p.part = f"{p.rel}/part-{self.id}.parquet"
                 self.parts.append(p.part)
                 manifest.write_pending(self.lake, self.id, self.parts)
                 p.writer = self.lake.open_parquet_writer(p.part, schemas.MODEL_CALLS)
-            p.writer.write_table(_calls_table(p.rows), row_group_size=1 << 20)
-            p.rows = []
+            p.writer.write_table(table, row_group_size=1 << 20)
         self.buffered = 0
+
+    def _calls_table(self, p: _Partition) -> pa.Table | None:
+        """The partition's buffered rows as Arrow, less the calls with a row that does not fit (rejected)."""
+        try:
+            return rows.calls_table(p.rows)
+        except rows.BadRows as exc:
+            bad: dict[str, tuple[tuple[Any, ...], str]] = {}
+            for i, reason in sorted(exc.bad.items()):
+                bad.setdefault(p.rows[i][0], (p.rows[i], reason))
+        for call_id, (row, reason) in bad.items():
+            n = sum(1 for r in p.rows if r[0] == call_id)
+            response = row[_RESPONSE] or b""
+            self.reject(
+                row[_SEGMENT],
+                row[_OFFSET],
+                reason,
+                f"{call_id} {response[:_RECORD_PREVIEW].decode('utf-8', 'replace')}",
+            )
+            self.report.rejects += 1
+            self.report.calls -= 1
+            self.report.rows -= n
+            p.seen.discard(call_id)
+            p.landed -= 1
+        keep = [r for r in p.rows if r[0] not in bad]
+        return rows.calls_table(keep) if keep else None
 
     def commit(self, report: LandingReport) -> None:
         if self.empty and not self.rejects:
@@ -260,8 +214,8 @@ class _Batch:
                 p.writer.close()
                 self.lake.move(p.part + TMP_SUFFIX, p.part)
                 p.writer, p.part = None, None
-        for (run_id, iteration), rows in self.rollout_rows.items():
-            _merge_rollouts(self.lake, run_id, iteration, rows)
+        for (run_id, iteration), new_rows in self.rollout_rows.items():
+            _merge_rollouts(self.lake, run_id, iteration, new_rows)
         report.batches += 1
         if os.environ.get(_CRASH_ENV) == str(report.batches):
             os.kill(os.getpid(), 9)
@@ -273,25 +227,35 @@ class _Batch:
             manifest.checkpoint(self.lake, self.state)
 
 
+_CALL_STATUSES = frozenset(s.value for s in schemas.CallStatus)
+_TOKEN_SOURCES = frozenset(s.value for s in schemas.TokenSource)
+
+
 def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: bytes, seg: str, off: int) -> int:
-    """Parse one record into rows of its partition; returns rows added (0 for a duplicate call)."""
+    """Parse one record into rows of its partition; returns rows added (0 for a duplicate call).
+
+    Every value is checked against its column here (lists: their element types here, their ranges per
+    row group); a value that does not fit raises :class:`rows.BadValue` and the record is a reject.
+    """
     call_id = _check_part(header.get("call_id"), "call_id")
     run_id = header.get("run_id")  # checked when its partition is first met (batch.partition)
     rollout_id = _check_part(header.get("rollout_id"), "rollout_id")
-    try:
-        iteration = int(header["iteration"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"header iteration missing or not an integer: {exc}") from exc
+    iteration = rows.int_value(header.get("iteration"), "header iteration")
+    if iteration is None:
+        raise rows.BadValue("header iteration is missing")
     part = batch.partition(run_id, iteration)
     if call_id in part.seen:
         return 0
-    api = _text(header.get("api")) or ""
-    stream = bool(header.get("stream"))
-    parsed = parse_response(api, stream, response, http_status=header.get("http_status"))
-    token_source = _text(header.get("token_source"))
+    api = rows.text(header.get("api")) or ""
+    stream = bool(rows.bool_value(header.get("stream"), "header stream"))
+    http_status = rows.int_value(header.get("http_status"), "header http_status", 0, 999)
+    status = rows.one_of(header.get("status"), "header status", _CALL_STATUSES)
+    parsed = parse_response(api, stream, response, http_status=http_status)
+    token_source = rows.one_of(header.get("token_source"), "header token_source", _TOKEN_SOURCES)
     prompt_ids = parsed.prompt_token_ids
     choice_ids: list[Any] = [c.token_ids for c in parsed.choices]
     choice_lps: list[Any] = [c.logprobs for c in parsed.choices]
+    typed = parsed.typed
     if token_source == "retokenized":
         retok = header.get("retokenized") or {}
         prompt_ids = retok.get("prompt_token_ids")
@@ -299,39 +263,44 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
         n = max(len(parsed.choices), len(rchoices))
         choice_ids = [rchoices[i].get("token_ids") if i < len(rchoices) else None for i in range(n)]
         choice_lps = [None] * n
+        typed = False
+    prompt_arr = rows.id_array(prompt_ids, "prompt_token_ids", typed)
+    choice_ids = [rows.id_array(x, "completion_token_ids", typed) for x in choice_ids]
+    choice_lps = [rows.logprob_array(x, "completion_logprobs", typed) for x in choice_lps]
     n_rows = max(1, len(choice_ids))
     if token_source is None:
-        token_source = "upstream" if prompt_ids is not None or any(x is not None for x in choice_ids) else "none"
-    t_start, t_end = _num(header.get("t_start"), float, "t_start"), _num(header.get("t_end"), float, "t_end")
-    latency = (float(t_end) - float(t_start)) * 1000.0 if t_start is not None and t_end is not None else None
-    policy_version = header.get("policy_version")
+        token_source = "upstream" if prompt_arr is not None or any(x is not None for x in choice_ids) else "none"
+    t_start = rows.epoch_s(header.get("t_start"), "header t_start")
+    t_end = rows.epoch_s(header.get("t_end"), "header t_end")
+    latency = (t_end - t_start) * 1000.0 if t_start is not None and t_end is not None else None
+    policy_version = rows.int_value(header.get("policy_version"), "header policy_version", 0, rows.INT64_MAX)
+    engine_version = rows.int_value(parsed.policy_version, "response policy_version", 0, rows.INT64_MAX)
     if policy_version is None:
-        policy_version = parsed.policy_version
-    policy_version = _num(policy_version, int, "policy_version")
-    prompt_tokens = _num(parsed.prompt_tokens, int, "usage prompt tokens")
-    if prompt_tokens is None and prompt_ids is not None:
-        prompt_tokens = len(prompt_ids)
-    prompt_arr = _np_or_none(prompt_ids, np.int32)
+        policy_version = engine_version
+    prompt_tokens = rows.int_value(parsed.prompt_tokens, "usage prompt_tokens")
+    if prompt_tokens is None and prompt_arr is not None:
+        prompt_tokens = len(prompt_arr)
+    usage_completion = rows.int_value(parsed.completion_tokens, "usage completion_tokens")
     changes = _json_or_none(header.get("request_changes"))
-    status, http_status = _text(header.get("status")), _num(header.get("http_status"), int, "http_status")
-    error = _text(header.get("error") or parsed.error)
-    model = _text(header.get("model") or parsed.model)
-    t0, t1 = _us(t_start), _us(t_end)
-    upstream_ms = _num(header.get("upstream_ms"), float, "upstream_ms")
-    seq = _num(header.get("seq"), int, "seq")
-    path = _text(header.get("path"))
-    rows = part.rows
+    error = rows.text(header.get("error") or parsed.error)
+    model = rows.text(header.get("model") or parsed.model)
+    t0 = None if t_start is None else int(t_start * 1_000_000)
+    t1 = None if t_end is None else int(t_end * 1_000_000)
+    upstream_ms = rows.float_value(header.get("upstream_ms"), "header upstream_ms")
+    seq = rows.int_value(header.get("seq"), "header seq", 0, rows.INT64_MAX)
+    path = rows.text(header.get("path"))
+    out = part.rows
     for i in range(n_rows):
         choice = parsed.choices[i] if i < len(parsed.choices) else None
-        ids = _np_or_none(choice_ids[i] if i < len(choice_ids) else None, np.int32)
-        lps = _np_or_none(choice_lps[i] if i < len(choice_lps) else None, np.float32)
-        completion_tokens = len(ids) if ids is not None else parsed.completion_tokens if n_rows == 1 else None
-        completion_tokens = _num(completion_tokens, int, "usage completion tokens")
+        ids = choice_ids[i] if i < len(choice_ids) else None
+        lps = choice_lps[i] if i < len(choice_lps) else None
+        completion_tokens = len(ids) if ids is not None else usage_completion if n_rows == 1 else None
         tools = choice.tool_calls if choice is not None else None
-        rows.append(
+        index = rows.int_value(choice.index, "choice index") if choice is not None else None
+        out.append(
             (
                 call_id,
-                _num(choice.index, int, "choice index") if choice is not None else i,
+                i if index is None else index,
                 run_id,
                 iteration,
                 rollout_id,
@@ -350,7 +319,7 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
                 prompt_arr,
                 ids,
                 lps,
-                _text(choice.finish_reason) if choice is not None else None,
+                rows.text(choice.finish_reason) if choice is not None else None,
                 token_source,
                 prompt_tokens,
                 completion_tokens,
@@ -370,28 +339,11 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
 
 # -- rollouts --------------------------------------------------------------------------------------
 
-_TS_FIELDS = {f.name for f in schemas.ROLLOUTS if pa.types.is_timestamp(f.type)}
-_JSON_FIELDS = {"reward_info"}
-
 
 def _coerce_rollout(row: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in schemas.ROLLOUTS:
-        v = row.get(f.name)
-        if v is not None and f.name in _TS_FIELDS:
-            if isinstance(v, str):
-                v = datetime.fromisoformat(v)
-                if v.tzinfo is None:
-                    v = v.replace(tzinfo=UTC)
-            elif isinstance(v, int | float):
-                v = datetime.fromtimestamp(float(v), UTC)
-        elif v is not None and f.name in _JSON_FIELDS and not isinstance(v, str):
-            v = orjson.dumps(v).decode()
-        out[f.name] = v
+    out = rows.rollout_row(row)
     _check_part(out["rollout_id"], "rollout_id")
     _check_part(out["run_id"], "run_id")
-    out["iteration"] = int(out["iteration"])
-    pa.Table.from_pylist([out], schema=schemas.ROLLOUTS)  # raises on a value of the wrong type
     return out
 
 
@@ -473,13 +425,13 @@ class _Lander:
         self.batch_bytes, self.row_group_bytes, self.progress = batch_bytes, row_group_bytes, progress
         self.partitions: dict[tuple[str, int], _Partition] = {}
         self.report = LandingReport()
-        self.batch = _Batch(lake, state, self.partitions)
+        self.batch = _Batch(lake, state, self.partitions, self.report)
 
     def commit(self) -> None:
         self.batch.commit(self.report)
         if self.progress is not None:
             self.progress(self.report)
-        self.batch = _Batch(self.lake, self.state, self.partitions)
+        self.batch = _Batch(self.lake, self.state, self.partitions, self.report)
 
     def land_segment(self, seg: sources.Segment) -> None:
         st = self.state.segments.get(seg.key)
@@ -515,8 +467,9 @@ class _Lander:
                         report.rows += rows
                     else:
                         report.duplicates += 1
-                except (ValueError, TypeError, KeyError, AttributeError, ParseError) as exc:
-                    # ParseError is a ValueError; the others are shapes no parser anticipated: a reject too
+                except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+                    # ParseError and rows.BadValue are ValueErrors; the others are shapes no parser
+                    # anticipated: a reject too
                     reason = str(exc) if isinstance(exc, ValueError) else f"unexpected record: {exc!r}"
                     batch.reject(seg.key, item.offset, reason, _preview(header, item.payload))
                     report.rejects += 1
@@ -550,7 +503,7 @@ class _Lander:
                 continue
             try:
                 out = _coerce_rollout(row)
-            except (ValueError, TypeError, KeyError, pa.ArrowException) as exc:
+            except (ValueError, TypeError, KeyError, OverflowError, pa.ArrowException) as exc:
                 batch.reject(key, offset, f"bad rollout row: {exc}", orjson.dumps(row).decode())
                 report.rejects += 1
                 continue

@@ -55,6 +55,8 @@ class ParsedCall:
     model: str | None = None
     error: str | None = None
     choices: list[Choice] = field(default_factory=list)
+    # id and logprob lists came from the typed decoder: their element types are checked already
+    typed: bool = field(default=False, compare=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,7 +335,9 @@ def _parse_openai_fast(body: bytes, api: str) -> ParsedCall | None:
         prompt = cut[1]
     elif prompt is msgspec.UNSET:
         prompt = None
-    parsed = ParsedCall(response=body, prompt_token_ids=prompt, policy_version=r.policy_version, model=r.model)
+    parsed = ParsedCall(
+        response=body, prompt_token_ids=prompt, policy_version=r.policy_version, model=r.model, typed=True
+    )
     if r.usage is not None:
         parsed.prompt_tokens, parsed.completion_tokens = r.usage.prompt_tokens, r.usage.completion_tokens
     choices = []
