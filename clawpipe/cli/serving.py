@@ -53,7 +53,11 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     engine: str = typer.Option("local", "--engine", help="local (transformers, batching) or vllm (GPU)."),
-    served_name: str | None = typer.Option(None, "--served-name", help="Model name clients send (default: dir name)."),
+    served_name: list[str] = typer.Option(
+        [],
+        "--served-name",
+        help="Model name clients send (repeatable; default: the model folder's name); others get 404.",
+    ),
     max_batch: int = typer.Option(64, "--max-batch", help="Most sequences decoded together (1 = no batching)."),
     kv_budget_tokens: int = typer.Option(
         262144, "--kv-budget-tokens", help="KV cache bound in tokens (rows x longest reservation); requests queue."
@@ -94,7 +98,7 @@ def serve(
 
         opts = VllmOptions(
             model=model,
-            served_name=served_name,
+            served_name=list(served_name) or None,
             host=host,
             port=port,
             tool_parser=tool_parser,
@@ -114,7 +118,7 @@ def serve(
         model,
         port=port,
         host=host,
-        served_name=served_name,
+        served_name=list(served_name) or None,
         device=device,
         max_batch=max_batch,
         kv_budget_tokens=kv_budget_tokens,

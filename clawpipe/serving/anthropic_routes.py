@@ -1,4 +1,4 @@
-"""Anthropic Messages routes (stream and not), as Claude Code uses them; token ids and logprobs per CONTRACTS A."""
+"""Anthropic Messages routes (stream and not), as Claude Code uses them; token ids and logprobs on every response."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from clawpipe.serving.text import new_id
 
 
 class MessagesRoutes(Routes):
-    """Anthropic Messages routes (stream and not), as Claude Code uses them; token ids and logprobs per CONTRACTS A."""
+    """Anthropic Messages routes (stream and not), with token ids and logprobs on every response."""
 
     # ------------------------------------------------------------ /v1/messages (Anthropic)
 
     async def messages(self, body: dict[str, Any]) -> Response:
+        model = self.model_name(body)
         messages, tools = convert.anthropic_messages(body)
         tools = convert.apply_tool_choice(body, tools, "anthropic")
         prompt = self.render(messages, tools)
@@ -30,7 +31,7 @@ class MessagesRoutes(Routes):
             convert.int_field(body, "max_tokens"),
             convert.stop_list(body.get("stop_sequences"), "stop_sequences"),
         )
-        mid, model = f"msg_{new_id('', 12)}", body.get("model") or self.engine.served_name
+        mid = f"msg_{new_id('', 12)}"
         if body.get("stream"):
             return self.sse_response(self._messages_stream(prompt, params, bool(tools), mid, model), anthropic=True)
         version, (c,) = await self.run(prompt, params, bool(tools))
@@ -82,9 +83,11 @@ class MessagesRoutes(Routes):
         c = Choice(0, tools)
         block = -1  # index of the open text block, -1 when none
         n_blocks = 0
+        version = self.engine.policy_version
         async with contextlib.aclosing(self.engine.stream(prompt, params)) as stream:
             async for item in stream:
                 if isinstance(item, tuple):
+                    version = item[1]
                     message = {
                         "id": mid,
                         "type": "message",
@@ -152,14 +155,16 @@ class MessagesRoutes(Routes):
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": self._stop_reason(c, calls), "stop_sequence": c.stopped_on},
-            "usage": {"output_tokens": len(c.token_ids)},
+            "usage": self._anthropic_usage(len(prompt), len(c.token_ids)),  # cumulative, input included
             "token_ids": c.token_ids,
             "logprobs": {"content": self.lp_entries(c)},
+            "policy_version": version,
         }
         yield sse(delta, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")
 
     async def count_tokens(self, body: dict[str, Any]) -> Response:
+        self.model_name(body)
         messages, tools = convert.anthropic_messages(body)
         tools = convert.apply_tool_choice(body, tools, "anthropic")
         return JSONResponse({"input_tokens": len(self.render(messages, tools))})

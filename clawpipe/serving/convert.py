@@ -1,6 +1,6 @@
 """Request translation: OpenAI Chat, OpenAI Responses and Anthropic Messages bodies -> chat-template messages,
 tools and sampling parameters. Everything a harness sends that the engine cannot honour (cache_control,
-thinking, beta features, metadata, include, store, ...) is accepted and ignored; malformed input raises
+thinking, beta features, metadata, include, ...) is accepted and ignored; malformed input raises
 RequestError with a message naming the field.
 """
 
@@ -149,6 +149,7 @@ COMMON_TYPES: dict[str, tuple[type, str]] = {
     "return_token_ids": (bool, "true or false"),
     "metadata": (dict, "an object"),
     "parallel_tool_calls": (bool, "true or false"),
+    "ignore_eos": (bool, "true or false"),
 }
 
 
@@ -193,6 +194,7 @@ def sampling(
         n=n,
         stream=bool(body.get("stream")),
         top_logprobs=top_logprobs,
+        ignore_eos=bool(body.get("ignore_eos")),
     )
 
 
@@ -244,15 +246,20 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
 # ---------------------------------------------------------------- OpenAI Responses
 
 
+def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses body's input as a list of items (a string is one user message)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise RequestError("'input' must be a string or a list of input items")
+    return items
+
+
 def responses_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(template messages, template tools) of a Responses body (instructions, input items, function tools)."""
     messages = _system_messages(body, "instructions")
-    items = body.get("input")
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    if not isinstance(items, list):
-        raise RequestError("'input' must be a string or a list of input items")
-    for i, item in enumerate(items):
+    for i, item in enumerate(input_items(body)):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise RequestError(f"{where} must be an object")

@@ -103,7 +103,7 @@ class Engine:
         kv_budget_tokens: int = 262144,
         max_model_len: int | None = None,
         policy_version: int = 0,
-        served_name: str | None = None,
+        served_name: str | list[str] | None = None,
         prefix_cache_mb: float = 256,
         prefill_chunk_tokens: int = PREFILL_CHUNK,
         max_prompt_tokens: int | None = None,
@@ -120,7 +120,9 @@ class Engine:
         self.max_prompt_tokens = min(max_prompt_tokens or MAX_PROMPT_TOKENS, self.max_model_len - 1)
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.policy_version = policy_version
-        self.served_name = served_name or self.model_dir.name
+        names = [served_name] if isinstance(served_name, str) else list(served_name or [])
+        self.served_names = list(dict.fromkeys(names)) or [self.model_dir.name]  # the model names clients may send
+        self.served_name = self.served_names[0]
         self.table = TokenTable(self.tokenizer)
         self.stop_ids = self._stop_ids()
         self.hidden_ids = set(self.stop_ids)
@@ -495,7 +497,7 @@ class Engine:
             row.n_generated += 1
             self.stats["tokens"] += 1
             row.detok.add(tid)
-            if tid in self.stop_ids or row.detok.stopped_on is not None:
+            if (tid in self.stop_ids and not row.request.params.ignore_eos) or row.detok.stopped_on is not None:
                 row.finish = "stop"
             elif row.n_generated >= row.request.params.max_tokens:
                 row.finish = "length"

@@ -15,7 +15,12 @@ class ShuttingDown(ServingError):
 
 
 class RequestError(ServingError, ValueError):
-    """A request the engine cannot serve as asked (HTTP 400); the message says what to change."""
+    """A request the engine cannot serve as asked (HTTP 400 unless `status` says otherwise); the message says
+    what to change, `param` and `code` fill the fields of the same name in an OpenAI error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
 
 
 @dataclass
@@ -30,6 +35,7 @@ class SamplingParams:
     n: int = 1
     stream: bool = False  # decode text per token (else once at the end, unless stop strings need it)
     top_logprobs: int = 0  # also report this many most likely tokens per position (with their logprobs)
+    ignore_eos: bool = False  # keep generating past EOS until max_tokens or a stop string (vLLM's extra field)
 
 
 @dataclass

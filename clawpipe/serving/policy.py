@@ -3,7 +3,7 @@
 `init_policy(dir, size, seed)` trains the tokenizer on a small built-in corpus (words, digits, JSON and
 tool-call text), builds a randomly initialised Qwen2 model from config and saves both with save_pretrained.
 `load_tokenizer` uses PreTrainedTokenizerFast.from_pretrained (never AutoTokenizer: on a qwen2 config it
-swaps in Qwen's pre-tokenizer and changes ids, see NOTES.md). `compute_logprobs` is the teacher-forced
+swaps in Qwen's pre-tokenizer and changes ids). `compute_logprobs` is the teacher-forced
 reference the engine's sampled logprobs must match.
 
 Chat template (ChatML): ``<|im_start|>role\\n...<|im_end|>\\n``; tools listed in the system turn inside

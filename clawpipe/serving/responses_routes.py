@@ -9,8 +9,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from clawpipe.errors import ServingError
 from clawpipe.serving import convert
-from clawpipe.serving.params import SamplingParams
+from clawpipe.serving.params import RequestError, SamplingParams
 from clawpipe.serving.routes import Choice, Routes, sse
 from clawpipe.serving.text import new_id
 
@@ -21,7 +22,14 @@ class ResponsesRoutes(Routes):
     # ------------------------------------------------------------ /v1/responses (OpenAI Responses)
 
     async def responses(self, body: dict[str, Any]) -> Response:
-        messages, tools = convert.responses_messages(body)
+        model = self.model_name(body)
+        store = body.get("store", True)
+        if not isinstance(store, bool | None):
+            raise RequestError("'store' must be true or false")
+        items = convert.input_items(body)
+        if body.get("previous_response_id") is not None:
+            items = [*self.responses_store.context(body["previous_response_id"]), *items]
+        messages, tools = convert.responses_messages({**body, "input": items})
         tools = convert.apply_tool_choice(body, tools, "responses")
         prompt = self.render(messages, tools)
         params = self.build_params(body, prompt, convert.int_field(body, "max_output_tokens"), [])
@@ -29,7 +37,7 @@ class ResponsesRoutes(Routes):
             "id": f"resp_{new_id('', 12)}",
             "object": "response",
             "created_at": int(time.time()),
-            "model": body.get("model") or self.engine.served_name,
+            "model": model,
             "status": "in_progress",
             "error": None,
             "incomplete_details": None,
@@ -44,14 +52,23 @@ class ResponsesRoutes(Routes):
             "max_output_tokens": body.get("max_output_tokens"),
             "text": {"format": {"type": "text"}},
             "reasoning": {"effort": None, "summary": None},
-            "store": False,
+            "previous_response_id": body.get("previous_response_id"),
+            "store": store is not False,
             "usage": None,
         }
+        keep = items if store is not False else None
         if body.get("stream"):
-            return self.sse_response(self._responses_stream(prompt, params, bool(tools), skeleton))
+            return self.sse_response(self._responses_stream(prompt, params, bool(tools), skeleton, keep))
         version, (c,) = await self.run(prompt, params, bool(tools))
         content, calls = c.full()
-        return JSONResponse(self._response_done(skeleton, prompt, c, self._response_items(content, calls), version))
+        done = self._response_done(skeleton, prompt, c, self._response_items(content, calls), version)
+        self._keep(done, keep)
+        return JSONResponse(done)
+
+    def _keep(self, done: dict[str, Any], input_items: list[dict[str, Any]] | None) -> None:
+        """Keep a finished response for later previous_response_id references (unless store was false)."""
+        if input_items is not None:
+            self.responses_store.put(done["id"], input_items, done["output"])
 
     @staticmethod
     def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -107,15 +124,31 @@ class ResponsesRoutes(Routes):
         }
 
     async def _responses_stream(
-        self, prompt: list[int], params: SamplingParams, tools: bool, skeleton: dict[str, Any]
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        tools: bool,
+        skeleton: dict[str, Any],
+        keep: list[dict[str, Any]] | None,
     ) -> AsyncIterator[bytes]:
-        seq = 0
+        """The event sequence; cut short by the engine (shutdown, an engine error), it ends with an `error` event
+        in the Responses API's shape, so the client (and a capture) sees why."""
+        event = _Events()
+        try:
+            async for chunk in self._responses_events(event, prompt, params, tools, skeleton, keep):
+                yield chunk
+        except ServingError as exc:
+            yield event("error", code="server_error", message=str(exc), param=None)
 
-        def event(kind: str, **fields: Any) -> bytes:
-            nonlocal seq
-            seq += 1
-            return sse({"type": kind, "sequence_number": seq - 1, **fields}, kind)
-
+    async def _responses_events(
+        self,
+        event: _Events,
+        prompt: list[int],
+        params: SamplingParams,
+        tools: bool,
+        skeleton: dict[str, Any],
+        keep: list[dict[str, Any]] | None,
+    ) -> AsyncIterator[bytes]:
         c = Choice(0, tools)
         version = self.engine.policy_version
         msg_id = f"msg_{new_id('', 12)}"
@@ -203,4 +236,18 @@ class ResponsesRoutes(Routes):
             done = self._call_item(tc)
             yield event("response.output_item.done", output_index=idx, item=done)
             items.append(done)
-        yield event("response.completed", response=self._response_done(skeleton, prompt, c, items, version))
+        done = self._response_done(skeleton, prompt, c, items, version)
+        self._keep(done, keep)
+        final = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+        yield event(final, response=done)
+
+
+class _Events:
+    """SSE events of one Responses stream, numbered in order (sequence_number)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)

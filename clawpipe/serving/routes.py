@@ -19,6 +19,7 @@ from clawpipe.errors import ServingError
 from clawpipe.serving import convert
 from clawpipe.serving.engine import Engine
 from clawpipe.serving.params import RequestError, SamplingParams, TokenEvent
+from clawpipe.serving.response_store import ResponseStore
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
 
 
@@ -30,6 +31,7 @@ class ServeOptions:
     default_max_tokens: int = 256  # when a request names none
     max_tokens_cap: int | None = None  # clamp every request's max_tokens (CPU runs behind chatty harnesses)
     reload_roots: list[str] = field(default_factory=list)  # where /admin/reload may load from ('*': one level)
+    responses_kept: int = 1024  # stored Responses kept for previous_response_id (most recent first)
 
 
 MAX_POLICY_VERSION = 2**31 - 1  # the lake's policy_version column is a 32-bit integer
@@ -136,19 +138,49 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def error_body(message: str, kind: str, anthropic: bool) -> dict[str, Any]:
+ANTHROPIC_KINDS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+}
+
+
+def error_body(
+    message: str, kind: str, anthropic: bool, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """An error object in the shape the API's SDK reads (as a response body, or a stream's last event)."""
     if anthropic:
         return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def openai_error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, kind, anthropic=False), status_code=status)
+def openai_error(
+    message: str,
+    status: int = 400,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, False, param, code), status_code=status)
 
 
-def anthropic_error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(error_body(message, kind, anthropic=True), status_code=status)
+def anthropic_error(
+    message: str,
+    status: int = 400,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    """Anthropic's error body; its error types follow the status (404 not_found_error, ...), not `kind`."""
+    kind = ANTHROPIC_KINDS.get(status, kind)
+    return JSONResponse(error_body(message, kind, True), status_code=status)
+
+
+def error_for_path(path: str, message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
+    """An error in the shape of the API the path belongs to (Anthropic under /v1/messages, else OpenAI)."""
+    error = anthropic_error if path.startswith("/v1/messages") else openai_error
+    return error(message, status, kind)
 
 
 class Routes:
@@ -157,8 +189,25 @@ class Routes:
     def __init__(self, engine: Engine, options: ServeOptions) -> None:
         self.engine = engine
         self.options = options
+        self.responses_store = ResponseStore(options.responses_kept)
 
     # ------------------------------------------------------------ shared steps
+
+    def model_name(self, body: dict[str, Any]) -> str:
+        """The model the request names, when this server serves it (none named: the first served name); else a
+        404 like vLLM's, so that a harness naming a model this server does not serve fails here as it would there."""
+        name = body.get("model")
+        if name is None:
+            return self.engine.served_name
+        if name not in self.engine.served_names:
+            names = ", ".join(self.engine.served_names)
+            raise RequestError(
+                f"The model `{name}` does not exist: this server serves {names}; send one of them as 'model'",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return str(name)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         template_tools: Any = tools or None

@@ -1,7 +1,7 @@
 """The HTTP face of the engine: OpenAI Chat Completions, Completions and Responses, Anthropic Messages,
 /v1/models, /health and POST /admin/reload, streamed (SSE) and not.
 
-Every response carries what the proxy needs (CONTRACTS A): `prompt_token_ids`, per-choice `token_ids`,
+Every response carries what the proxy needs: `prompt_token_ids`, per-choice `token_ids`,
 `logprobs.content` entries and `policy_version`. `start_server` runs it in-process on an ephemeral port (a
 background thread); `start_server_process` runs it as a subprocess; `run_server` blocks (the CLI).
 """
@@ -26,20 +26,32 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawpipe.errors import ServingError
 from clawpipe.net import tcp_socket
 from clawpipe.serving.anthropic_routes import MessagesRoutes
+from clawpipe.serving.completions_routes import CompletionsRoutes
 from clawpipe.serving.engine import PREFILL_CHUNK, Engine, RequestError, ShuttingDown
 from clawpipe.serving.openai_routes import ChatRoutes
 from clawpipe.serving.responses_routes import ResponsesRoutes
-from clawpipe.serving.routes import ServeOptions, anthropic_error, default_reload_roots, json_body, openai_error
+from clawpipe.serving.routes import (
+    ServeOptions,
+    anthropic_error,
+    default_reload_roots,
+    error_for_path,
+    json_body,
+    openai_error,
+)
 
 log = logging.getLogger(__name__)
 
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 
-class App(ChatRoutes, ResponsesRoutes, MessagesRoutes):
+
+class App(ChatRoutes, CompletionsRoutes, ResponsesRoutes, MessagesRoutes):
     """Every route, bound to one engine."""
 
 
@@ -53,7 +65,7 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
             try:
                 return await _unless_disconnected(request, asyncio.ensure_future(handler(await json_body(request))))
             except RequestError as exc:
-                return error(str(exc))
+                return error(str(exc), exc.status, param=exc.param, code=exc.code)
             except ShuttingDown as exc:
                 return error(str(exc), 503, "api_error")
             except ServingError as exc:
@@ -75,15 +87,36 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
             "object": "list",
             "data": [
                 {
-                    "id": engine.served_name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "clawpipe",
+                    "root": str(engine.model_dir),
                     "max_model_len": engine.max_model_len,
                     "policy_version": engine.policy_version,
                 }
+                for name in engine.served_names
             ],
         }
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message = f"no route {method} {path}: this server serves POST {', '.join(API_PATHS)} and GET /v1/models"
+        elif exc.status_code == 405:
+            message = (
+                f"{method} is not allowed on {path}; use {exc.headers.get('Allow', 'POST') if exc.headers else 'POST'}"
+            )
+        else:
+            message = str(exc.detail)
+        response = error_for_path(path, message, exc.status_code)
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        return error_for_path(request.url.path, f"the request is not valid: {exc.errors()}", 400)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -192,6 +225,7 @@ def _open_engine(
         default_max_tokens=engine_kwargs.pop("default_max_tokens", 256),
         max_tokens_cap=engine_kwargs.pop("max_tokens_cap", None),
         reload_roots=_reload_roots(engine_kwargs.pop("reload_roots", None)),
+        responses_kept=engine_kwargs.pop("responses_kept", 1024),
     )
     engine = Engine(model_dir, **engine_kwargs)
     return engine, opts, listen_socket(host, port)
@@ -309,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--ready-file")
-    p.add_argument("--served-name")
+    p.add_argument("--served-name", action="append")
     p.add_argument("--device")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--kv-budget-tokens", type=int, default=262144)

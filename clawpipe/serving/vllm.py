@@ -1,5 +1,5 @@
 """vLLM as the policy server on GPU machines: the `vllm serve` command clawpipe relies on, a weight-reload
-helper, and readers of vLLM's responses (the same fields the local engine returns, CONTRACTS A).
+helper, and readers of vLLM's responses (the same fields the local engine returns).
 
 Flags and why:
 - `--served-model-name NAME`: harnesses send CLAWPIPE_MODEL; vLLM must answer to it.
@@ -38,7 +38,7 @@ class VllmOptions:
     """What `clawpipe serve --engine vllm` passes on to `vllm serve`."""
 
     model: str
-    served_name: str | None = None
+    served_name: str | list[str] | None = None  # one name or several
     host: str = "127.0.0.1"
     port: int = 8000
     tool_parser: str = "hermes"
@@ -54,7 +54,8 @@ class VllmOptions:
 def build_vllm_command(opts: VllmOptions) -> tuple[list[str], dict[str, str]]:
     """The `vllm serve` argv and the extra environment it needs."""
     cmd = ["vllm", "serve", opts.model]
-    cmd += ["--served-model-name", opts.served_name or Path(opts.model).name]
+    names = [opts.served_name] if isinstance(opts.served_name, str) else list(opts.served_name or [])
+    cmd += ["--served-model-name", *(names or [Path(opts.model).name])]
     cmd += ["--host", opts.host, "--port", str(opts.port)]
     cmd += ["--enable-auto-tool-choice", "--tool-call-parser", opts.tool_parser]
     cmd += ["--return-tokens-as-token-ids", "--max-logprobs", "1", "--generation-config", "vllm"]
