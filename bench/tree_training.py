@@ -30,8 +30,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import make_config
-from clawpipe.train.data import RolloutInfo, build_tree
+from clawpipe.train.data import RolloutInfo
 from clawpipe.train.trainer import Trainer
+from tests.trees.training import build_tree
 
 VOCAB = 512
 

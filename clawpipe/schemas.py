@@ -1,9 +1,9 @@
 """Arrow schemas of every table, with one spelling per column across Python, SQL and Parquet.
 
 Identity: experiment > run > iteration > group > rollout > call (DESIGN.md). ``model_calls`` holds one
-row per call and choice; ``rollouts`` one row per harness execution; ``tree_nodes`` and ``tree_stats``
-the reconstructed prefix trees. Partition columns (run_id, iteration) are real columns too, so a file
-read without hive partitioning still carries them.
+row per call and choice; ``rollouts`` one row per harness execution; ``tree_nodes``, ``tree_stats`` and
+``tree_sequences`` the reconstructed prefix trees. Partition columns (run_id, iteration) are real columns
+too, so a file read without hive partitioning still carries them.
 """
 
 from __future__ import annotations
@@ -170,6 +170,24 @@ TREE_STATS = pa.schema(
     ]
 )
 
+# The call-to-path link: each call x choice in a tree is the root-to-node path ending at ``node_id``
+# (every sequence ends at a node boundary), written with the trees (one row per tree it is in).
+TREE_SEQUENCES = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("iteration", pa.int32(), nullable=False),
+        pa.field("tree_id", pa.string(), nullable=False),
+        pa.field("scope", pa.string()),  # rollout | group
+        pa.field("call_id", pa.string(), nullable=False),
+        pa.field("choice_index", pa.int32(), nullable=False),
+        pa.field("rollout_id", pa.string()),
+        pa.field("node_id", pa.int32(), nullable=False),  # the node where the sequence ends
+        pa.field("n_prompt", pa.int32()),  # prompt tokens: the path's first n_prompt tokens are context
+        pa.field("n_generated", pa.int32()),  # completion tokens on the path (0 for a failed call's prompt)
+        pa.field("policy_version", pa.int64()),
+    ]
+)
+
 REJECTS = pa.schema(
     [
         pa.field("source", pa.string()),  # segment or results file
@@ -185,5 +203,6 @@ TABLES: dict[str, pa.Schema] = {
     "rollouts": ROLLOUTS,
     "tree_nodes": TREE_NODES,
     "tree_stats": TREE_STATS,
+    "tree_sequences": TREE_SEQUENCES,
     "rejects": REJECTS,
 }

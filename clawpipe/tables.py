@@ -28,7 +28,7 @@ from clawpipe import sqlfiles
 from clawpipe.errors import LakeError
 from clawpipe.schemas import TABLES
 
-PARTITIONED = ("model_calls", "rollouts", "tree_nodes", "tree_stats")
+PARTITIONED = ("model_calls", "rollouts", "tree_nodes", "tree_stats", "tree_sequences")
 STAGING = "_staging"
 TMP_SUFFIX = ".inprogress"  # staged files end in this, so the views' ``*.parquet`` globs never match them
 # Columns holding whole documents or token lists: no dictionary, no min/max statistics (both cost more

@@ -3,10 +3,13 @@
 A :class:`TrainTree` is a trie flattened to one row: ``token_ids[i]`` is a unique token, ``prev[i]`` the token
 before it on every path through it (-1 for a first token) and ``depth[i]`` its position (tokens above it).
 Parents come before children, so a slice of positions sorted ascending is again parent-first. Every
-:class:`TrainSequence` (one call x choice: prompt + completion, CONTRACTS E) is a root-to-token path given
-by its packed ``positions``; its completion tokens are the ones it trains. Rewards and groups live in
-:class:`RolloutInfo`. Trees come from the lake (clawpipe.train.loading) or from :func:`build_tree` (tests,
-benchmarks).
+:class:`TrainSequence` (one call x choice: prompt + completion) is a root-to-token path given by its packed
+``positions``; its completion tokens are the ones it trains. Rewards and groups live in :class:`RolloutInfo`.
+
+Trees come from the trees room's tables: :func:`flatten_nodes` lays out the radix nodes (tree_nodes) and
+:func:`attach_sequences` places each call where the trees room linked it (tree_sequences: the node where
+its path ends), so training never searches a tree for a call. clawpipe.train.loading reads both from the
+lake.
 """
 
 from __future__ import annotations
@@ -102,18 +105,43 @@ class TrainTree:
 # trees from node rows (the lake's tree_nodes) and from raw sequences (tests, benchmarks)
 
 
-def tree_from_nodes(
-    tree_id: str, node_ids: Sequence[int], parent_ids: Sequence[int], token_ids: Sequence[Sequence[int]]
-) -> TrainTree:
-    """Flatten radix nodes (node_id ascending is parent-first) to a token-level tree without sequences."""
+@dataclass
+class NodeLayout:
+    """Where each radix node's tokens lie in its flattened tree: first packed position, token count, parent."""
+
+    first: dict[int, int]
+    count: dict[int, int]
+    parent: dict[int, int]  # -1 for children of the (empty) root
+
+    def path(self, node_id: int) -> np.ndarray | None:
+        """Packed positions of the root-to-node path ending with node ``node_id`` (None for an unknown node)."""
+        spans: list[np.ndarray] = []
+        v = node_id
+        while v >= 0:
+            if v not in self.first:
+                return None
+            spans.append(np.arange(self.first[v], self.first[v] + self.count[v], dtype=np.int64))
+            v = self.parent[v]
+        return np.concatenate(spans[::-1]) if spans else np.zeros(0, dtype=np.int64)
+
+
+def flatten_nodes(
+    tree_id: str, node_ids: Sequence[int], parent_ids: Sequence[int | None], token_ids: Sequence[Sequence[int] | None]
+) -> tuple[TrainTree, NodeLayout]:
+    """Flatten radix nodes (node_id ascending is parent-first) to a token-level tree without sequences.
+
+    Each node's tokens take consecutive positions, nodes in node_id order, so a path is a few ranges.
+    """
     order = np.argsort(np.asarray(node_ids), kind="stable")
     last_of: dict[int, int] = {}  # node_id -> packed position of its last token (or its parent's, if empty)
     depth_of: dict[int, int] = {}  # node_id -> depth after its last token
+    layout = NodeLayout({}, {}, {})
     toks: list[int] = []
     prev: list[int] = []
     depth: list[int] = []
     for k in order.tolist():
-        nid, pid = int(node_ids[k]), int(parent_ids[k]) if parent_ids[k] is not None else -1
+        pk = parent_ids[k]
+        nid, pid = int(node_ids[k]), int(pk) if pk is not None else -1
         if pid >= 0 and pid not in last_of:
             raise TrainingError(
                 f"tree {tree_id}: node {nid} comes before its parent {pid}; tree_nodes must be parent-first "
@@ -121,114 +149,61 @@ def tree_from_nodes(
             )
         p_last = last_of[pid] if pid >= 0 else -1
         d = depth_of[pid] if pid >= 0 else 0
+        layout.first[nid], layout.parent[nid] = len(toks), pid
         for t in token_ids[k] or ():
             prev.append(p_last)
             depth.append(d)
             toks.append(int(t))
             p_last = len(toks) - 1
             d += 1
+        layout.count[nid] = len(toks) - layout.first[nid]
         last_of[nid] = p_last
         depth_of[nid] = d
-    return TrainTree(
+    tree = TrainTree(
         tree_id,
         np.asarray(toks, dtype=np.int64),
         np.asarray(prev, dtype=np.int64),
         np.asarray(depth, dtype=np.int64),
     )
+    return tree, layout
 
 
-def locate_sequence(tree: TrainTree, kids: list[list[int]], tokens: np.ndarray) -> np.ndarray | None:
-    """Packed positions of ``tokens`` as a root-to-token path of the tree, or None when it is not one.
+def tree_from_nodes(
+    tree_id: str, node_ids: Sequence[int], parent_ids: Sequence[int | None], token_ids: Sequence[Sequence[int] | None]
+) -> TrainTree:
+    """:func:`flatten_nodes` without the layout."""
+    return flatten_nodes(tree_id, node_ids, parent_ids, token_ids)[0]
 
-    Tries every matching child (a trie may hold a generated and a context copy of the same token after the
-    same prefix), depth first.
+
+def attach_sequences(tree: TrainTree, layout: NodeLayout, links: Iterable[dict], stats: dict[str, float]) -> None:
+    """Add each linked call x choice to ``tree`` as the path ending at its node, in the given order.
+
+    A link (a row of ``sql/train/sequences.sql``) has call_id, choice_index, rollout_id, policy_version,
+    node_id, n_prompt, n_completion and completion_logprobs. A link whose path does not hold exactly its
+    prompt and completion (trees rebuilt from other calls since) is counted as ``calls_link_mismatch`` and
+    left out, never trained on other tokens.
     """
-    n = len(tokens)
-    if n == 0:
-        return None
-    tok = tree.token_ids
-    path = np.empty(n, dtype=np.int64)
-    # stack of (index in tokens, candidate children iterator)
-    stack: list[tuple[int, list[int], int]] = [(0, kids[tree.n_tokens], 0)]
-    while stack:
-        i, cands, k = stack.pop()
-        while k < len(cands) and tok[cands[k]] != tokens[i]:
-            k += 1
-        if k == len(cands):
+    for c in links:
+        n_prompt, n_completion = int(c["n_prompt"] or 0), int(c["n_completion"] or 0)
+        positions = layout.path(int(c["node_id"]))
+        if positions is None or len(positions) != n_prompt + n_completion:
+            stats["calls_link_mismatch"] = stats.get("calls_link_mismatch", 0) + 1
+            log.warning(
+                "call %s/%s does not fit its tree_sequences link in %s; rebuild the trees (`clawpipe trees build`)",
+                c["call_id"],
+                c["choice_index"],
+                tree.tree_id,
+            )
             continue
-        stack.append((i, cands, k + 1))  # alternatives to try if this branch fails
-        pos = cands[k]
-        path[i] = pos
-        # follow single-child chains without pushing
-        i += 1
-        while i < n:
-            ch = kids[pos]
-            if len(ch) == 1:
-                if tok[ch[0]] != tokens[i]:
-                    break
-                pos = ch[0]
-                path[i] = pos
-                i += 1
-            else:
-                stack.append((i, ch, 0))
-                break
-        if i == n:
-            return path
-    return None
-
-
-def build_tree(tree_id: str, sequences: Iterable[dict]) -> TrainTree:
-    """Build a trie directly from sequences (for tests and benchmarks, no lake needed).
-
-    Each dict has ``tokens`` (prompt + completion ids), ``n_prompt``, ``rollout_id``, optional ``call_id``,
-    ``old_logprobs`` (default zeros) and ``policy_version``. Tokens are laid out depth-first, parent-first.
-    """
-    seqs = list(sequences)
-    child: list[dict[int, int]] = [{}]  # trie over tokens; node 0 is the root
-    tok_of: list[int] = [-1]
-    parent: list[int] = [-1]
-    node_paths: list[list[int]] = []
-    for s in seqs:
-        cur, path = 0, []
-        for t in s["tokens"]:
-            t = int(t)
-            nxt = child[cur].get(t)
-            if nxt is None:
-                nxt = len(tok_of)
-                child[cur][t] = nxt
-                child.append({})
-                tok_of.append(t)
-                parent.append(cur)
-            path.append(nxt)
-            cur = nxt
-        node_paths.append(path)
-    # depth-first layout
-    order: list[int] = []
-    stack = list(reversed(child[0].values()))
-    while stack:
-        v = stack.pop()
-        order.append(v)
-        stack.extend(reversed(child[v].values()))
-    pos_of = np.zeros(len(tok_of), dtype=np.int64)
-    pos_of[order] = np.arange(len(order))
-    token_ids = np.asarray([tok_of[v] for v in order], dtype=np.int64)
-    prev = np.asarray([pos_of[parent[v]] if parent[v] > 0 else -1 for v in order], dtype=np.int64)
-    depth = np.zeros(len(order), dtype=np.int64)
-    for i, p in enumerate(prev.tolist()):
-        depth[i] = depth[p] + 1 if p >= 0 else 0
-    tree = TrainTree(tree_id, token_ids, prev, depth)
-    for k, (s, path) in enumerate(zip(seqs, node_paths, strict=True)):
-        n_gen = len(s["tokens"]) - int(s["n_prompt"])
-        lps = s.get("old_logprobs")
+        stats["calls"] = stats.get("calls", 0) + 1
         tree.sequences.append(
             TrainSequence(
-                call_id=str(s.get("call_id", f"{tree_id}-c{k}")),
-                rollout_id=str(s["rollout_id"]),
-                positions=pos_of[np.asarray(path, dtype=np.int64)],
-                n_prompt=int(s["n_prompt"]),
-                old_logprobs=np.asarray(lps if lps is not None else np.zeros(n_gen), dtype=np.float32),
-                policy_version=s.get("policy_version"),
-                choice_index=int(s.get("choice_index", 0)),
+                call_id=c["call_id"],
+                rollout_id=c["rollout_id"],
+                positions=positions,
+                n_prompt=n_prompt,
+                old_logprobs=np.asarray(c["completion_logprobs"], dtype=np.float32),
+                policy_version=c["policy_version"],
+                choice_index=int(c["choice_index"] or 0),
             )
         )
-    return tree

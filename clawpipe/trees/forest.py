@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from clawpipe.errors import TreeError
-from clawpipe.schemas import TREE_NODES, TREE_STATS, CallStatus, TokenSource
+from clawpipe.schemas import TREE_NODES, TREE_SEQUENCES, TREE_STATS, CallStatus, TokenSource
 from clawpipe.trees.prefix_tree import CAUSES, DRIFT, TreeNodes, TreeSequences, build_tree
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,14 @@ OPTIONAL: dict[str, pa.DataType] = {
     "reward": pa.float64(),
 }
 SORT_KEYS = ("group_id", "sample_idx", "rollout_id", "seq", "t_start", "call_id", "choice_index")
+
+
+class Forest(NamedTuple):
+    """What :func:`build_forest` returns: the rows of tree_nodes, tree_stats and tree_sequences."""
+
+    nodes: pa.Table
+    stats: pa.Table
+    sequences: pa.Table
 
 
 def tree_id_of(scope: str, key: str) -> str:
@@ -176,6 +185,9 @@ class _Acc:
     tree_ids: list[str] = field(default_factory=list)
     scopes: list[str] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
+    seq_tree: list[np.ndarray] = field(default_factory=list)  # tree index per sequence
+    seq_row: list[np.ndarray] = field(default_factory=list)  # batch row per sequence
+    seq_end: list[np.ndarray] = field(default_factory=list)  # end node per sequence
 
     def add(self, name: str, arr: np.ndarray) -> None:
         self.parts.setdefault(name, []).append(arr)
@@ -234,6 +246,9 @@ def _add_tree(
         acc.add("cause_row", _to_rows(rows, nodes.cause_seq))
         acc.add("drift_row", _to_rows(rows, nodes.drift_seq))
         acc.rollout_lists.extend(nodes.rollouts)
+        acc.seq_tree.append(np.full(len(rows), t, dtype=np.int64))
+        acc.seq_row.append(rows)
+        acc.seq_end.append(nodes.end_node)
         rr = b.reward_of_rollout
         for leaf, lr in zip(nodes.is_leaf.tolist(), nodes.leaf_rollouts, strict=True):
             vals = [rr[r] for r in lr if not np.isnan(rr[r])] if leaf else []
@@ -267,8 +282,8 @@ def _add_tree(
 
 def build_forest(
     calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[str, ...] = SCOPES
-) -> tuple[pa.Table, pa.Table]:
-    """Trees of every rollout and group in ``calls``: returns (tree_nodes, tree_stats) Arrow tables."""
+) -> Forest:
+    """Trees of every rollout and group in ``calls``: the tree_nodes, tree_stats and tree_sequences rows."""
     bad = [s for s in scopes if s not in SCOPES]
     if bad:
         raise TreeError(f"unknown tree scope(s) {bad}; choose from {SCOPES}")
@@ -297,12 +312,13 @@ def build_forest(
                 g_nodes = build_tree(g_seqs, group_scope=True, rollout_trees=per_rollout) if len(rows) else None
                 _add_tree(acc, b, "group", group, group, None, g_rows, g_nodes)
         nodes = _assemble(acc, b, run_id, iteration)
+        sequences = _sequence_rows(acc, b, run_id, iteration)
     else:
-        nodes = TREE_NODES.empty_table()
+        nodes, sequences = TREE_NODES.empty_table(), TREE_SEQUENCES.empty_table()
     stats = pa.Table.from_pylist(
         [{"run_id": run_id, "iteration": iteration, **s} for s in acc.stats], schema=TREE_STATS
     )
-    return nodes, stats
+    return Forest(nodes, stats, sequences)
 
 
 def _take_str(col: pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
@@ -387,3 +403,27 @@ def _assemble(acc: _Acc, b: _Batch, run_id: str, iteration: int) -> pa.Table:
         "drift_call_id": _take_str(tbl["call_id"], drift_row),
     }
     return pa.table({f.name: cols[f.name].cast(f.type) for f in TREE_NODES}, schema=TREE_NODES)
+
+
+def _sequence_rows(acc: _Acc, b: _Batch, run_id: str, iteration: int) -> pa.Table:
+    """One tree_sequences row per (tree, call x choice in it): the call's path ends at ``node_id``."""
+    if not acc.seq_tree:
+        return TREE_SEQUENCES.empty_table()
+    tree = np.concatenate(acc.seq_tree)
+    rows = np.concatenate(acc.seq_row)
+    tbl = b.table
+    idx = pa.array(rows)
+    cols = {
+        "run_id": pa.array(np.full(len(tree), run_id, dtype=object), pa.string()),
+        "iteration": pa.array(np.full(len(tree), iteration, dtype=np.int32)),
+        "tree_id": pa.array(acc.tree_ids, pa.string()).take(pa.array(tree)),
+        "scope": pa.array(acc.scopes, pa.string()).take(pa.array(tree)),
+        "call_id": pc.take(tbl["call_id"], idx),
+        "choice_index": pc.fill_null(pc.take(tbl["choice_index"], idx), 0),
+        "rollout_id": pc.take(tbl["rollout_id"], idx),
+        "node_id": pa.array(np.concatenate(acc.seq_end).astype(np.int32)),
+        "n_prompt": pa.array(b.prompt.length[rows].astype(np.int32)),
+        "n_generated": pa.array(b.glen[rows].astype(np.int32)),
+        "policy_version": pc.take(tbl["policy_version"], idx),
+    }
+    return pa.table({f.name: cols[f.name].cast(f.type) for f in TREE_SEQUENCES}, schema=TREE_SEQUENCES)

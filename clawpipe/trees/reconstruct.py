@@ -1,9 +1,10 @@
-"""The reconstruct stage: lake model_calls + rollouts -> prefix trees -> lake tree_nodes + tree_stats.
+"""The reconstruct stage: lake model_calls + rollouts -> prefix trees -> lake tree_nodes, tree_stats, tree_sequences.
 
 SQL (``sql/trees/*.sql``) selects and orders the calls; Python (:mod:`clawpipe.trees.forest`) builds the
 trees. Groups are read in batches of whole groups bounded by a token budget, so memory follows the largest
-group rather than the whole iteration. Each (run, iteration) partition of both tables is replaced whole,
-so a rerun (or a Prefect retry) rewrites, never duplicates.
+group rather than the whole iteration. Each (run, iteration) partition of the three tables is replaced
+whole, so a rerun (or a Prefect retry) rewrites, never duplicates. tree_sequences is the call-to-path link
+(each call x choice's tree and end node), so training need not search the trees for its calls.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow as pa
 
 from clawpipe import tables
 from clawpipe.errors import LakeError
-from clawpipe.schemas import TREE_NODES, TREE_STATS
+from clawpipe.schemas import TREE_NODES, TREE_SEQUENCES, TREE_STATS
 from clawpipe.sqlfiles import sql_text
 from clawpipe.trees.forest import SCOPES, build_forest
 
@@ -77,7 +78,7 @@ def build_iteration(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     scopes: tuple[str, ...] = SCOPES,
 ) -> BuildSummary:
-    """Rebuild the trees of one run iteration and replace its tree_nodes and tree_stats partitions."""
+    """Rebuild the trees of one run iteration and replace its tree_nodes, tree_stats and tree_sequences."""
     t0 = time.perf_counter()
     con = tables.connect(lake_root, tables=("model_calls", "rollouts"))
     params = {"run_id": run_id, "iteration": int(iteration)}
@@ -85,19 +86,23 @@ def build_iteration(
     batches = plan_batches(groups, token_budget)
     node_parts: list[pa.Table] = []
     stat_parts: list[pa.Table] = []
+    seq_parts: list[pa.Table] = []
     for k, batch in enumerate(batches):
         calls = con.sql(
             sql_text("trees/calls"), params={**params, "all_groups": len(batches) == 1, "group_ids": batch}
         ).to_arrow_table()
-        nodes, stats = build_forest(calls, run_id=run_id, iteration=int(iteration), scopes=scopes)
+        forest = build_forest(calls, run_id=run_id, iteration=int(iteration), scopes=scopes)
         del calls
-        node_parts.append(nodes)
-        stat_parts.append(stats)
+        node_parts.append(forest.nodes)
+        stat_parts.append(forest.stats)
+        seq_parts.append(forest.sequences)
         log.debug("trees batch run_id=%s iteration=%s batch=%d groups=%d", run_id, iteration, k, len(batch))
     nodes = pa.concat_tables(node_parts) if node_parts else TREE_NODES.empty_table()
     stats = pa.concat_tables(stat_parts) if stat_parts else TREE_STATS.empty_table()
+    sequences = pa.concat_tables(seq_parts) if seq_parts else TREE_SEQUENCES.empty_table()
     tables.replace_partition(lake_root, "tree_nodes", run_id, int(iteration), nodes)
     tables.replace_partition(lake_root, "tree_stats", run_id, int(iteration), stats)
+    tables.replace_partition(lake_root, "tree_sequences", run_id, int(iteration), sequences)
     summary = _summarise(run_id, int(iteration), nodes, stats, time.perf_counter() - t0)
     log.info(
         "trees built run_id=%s iteration=%s trees=%d nodes=%d calls=%d drift=%d failed=%d kept_out_retokenized=%d "

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from clawpipe.train.data import RolloutInfo, TrainTree, build_tree
+from clawpipe.train.data import RolloutInfo, TrainTree
+from tests.trees.training import build_tree
 
 VOCAB = 48
 

@@ -11,8 +11,9 @@ from clawpipe.errors import ConfigError, TrainingError
 from clawpipe.train import advantages as A
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import load_config, make_config
-from clawpipe.train.data import RolloutInfo, build_tree
+from clawpipe.train.data import RolloutInfo
 from tests.train.helpers import random_group_trees
+from tests.trees.training import build_tree
 
 
 def small_tree(r2: float = 0.2):

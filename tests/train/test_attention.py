@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from clawpipe.train.attention import build_plan, dense_mask, tree_attention_forward
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import make_config
-from clawpipe.train.data import RolloutInfo, build_tree
+from clawpipe.train.data import RolloutInfo
 from clawpipe.train.packing import pack_trees
+from tests.trees.training import build_tree
 
 
 def random_parents(rng: np.random.Generator, n: int, roots: int, depth_first: bool) -> np.ndarray:

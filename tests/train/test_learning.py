@@ -8,9 +8,10 @@ import torch
 
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import make_config
-from clawpipe.train.data import RolloutInfo, build_tree
+from clawpipe.train.data import RolloutInfo
 from clawpipe.train.trainer import Trainer
 from tests.train.helpers import VOCAB, random_group_trees, tiny_model
+from tests.trees.training import build_tree
 
 TARGET = 5  # reward: fraction of generated tokens equal to TARGET
 

@@ -7,7 +7,6 @@ pipeline stage, the real `clawpipe train` subprocess with the tiny policy.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pyarrow as pa
@@ -192,8 +191,8 @@ def test_pipeline_train_stage_fills_list_from_manifests_and_step_reports_count(h
     cfg = PipelineConfig(harnesses=harnesses, train={"learning_rate": 1e-3})
     out = tmp_path / "out"
     result = stages.train(cfg, settings, RUN, 0, policy_dir=policy, out_dir=out)
-    written = tomllib.loads((out / "train.toml").read_text())
-    assert written == {"learning_rate": 1e-3, "exclude_side_calls_harnesses": ["qwen-code"]}
+    written = json.loads((out / "train-config-0.json").read_text())  # the whole config the trainer ran with
+    assert written["learning_rate"] == 1e-3 and written["exclude_side_calls_harnesses"] == ["qwen-code"]
     m = result["metrics"]
     assert m["load/side_calls_excluded"] == 2
     assert m["load/calls"] == m["sequences"] == 14  # 4 rollouts x 3 main calls + the 2 unlisted side calls
@@ -203,6 +202,6 @@ def test_pipeline_train_stage_fills_list_from_manifests_and_step_reports_count(h
     cfg = PipelineConfig(harnesses=harnesses, train={"learning_rate": 1e-3, "exclude_side_calls_harnesses": []})
     stages_out = tmp_path / "out2"
     result = stages.train(cfg, settings, RUN, 0, policy_dir=policy, out_dir=stages_out)
-    assert tomllib.loads((stages_out / "train.toml").read_text())["exclude_side_calls_harnesses"] == []
+    assert json.loads((stages_out / "train-config-0.json").read_text())["exclude_side_calls_harnesses"] == []
     assert result["metrics"]["load/side_calls_excluded"] == 0
     assert json.loads((stages_out / "metrics-0.json").read_text())["metrics"]["load/calls"] == 16

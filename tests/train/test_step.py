@@ -16,12 +16,13 @@ from typer.testing import CliRunner
 
 from clawpipe import tables
 from clawpipe.errors import TrainingError
-from clawpipe.schemas import MODEL_CALLS, ROLLOUTS, TREE_NODES
+from clawpipe.schemas import MODEL_CALLS, ROLLOUTS
 from clawpipe.serving.policy import compute_logprobs, init_policy
 from clawpipe.train.checkpoint import load_policy, read_policy_version
 from clawpipe.train.config import make_config
 from clawpipe.train.step import train_step
-from tests.train.helpers import radix_node_rows, random_group_trees
+from clawpipe.trees.reconstruct import build_iteration
+from tests.train.helpers import random_group_trees
 
 RUN = "run-t"
 
@@ -34,17 +35,16 @@ def policy_dir(tmp_path_factory) -> Path:
 def write_lake(
     lake: Path, policy: Path, iteration: int = 0, *, nan_reward: str | None = None, trees: bool = True
 ) -> dict[str, str]:
-    """Land group trees (unless trees=False), their calls (captured logprobs from the policy itself) and
-    rollouts; plus a retokenized call and a call outside every tree (trees=True only)."""
+    """Land the calls of random group trees (captured logprobs from the policy itself) and their rollouts,
+    and build their trees with the trees room (unless trees=False); then add a retokenized call and a call
+    outside every tree (trees=True only)."""
     model = load_policy(policy).model.eval()
     with_trees = trees
     trees, infos = random_group_trees(5, versions=(0,))
     for i, info in enumerate(infos.values()):
         info.reward = (i % 3) / 2  # no zero-variance group
-    node_rows, call_rows, harness = [], [], {}
+    call_rows, harness = [], {}
     for tree in trees:
-        for row in radix_node_rows(tree):
-            node_rows.append(dict(row, run_id=RUN, iteration=iteration, tree_id=tree.tree_id, scope="group"))
         for k, s in enumerate(tree.sequences):
             toks = tree.token_ids[s.positions].tolist()
             prompt, comp = toks[: s.n_prompt], toks[s.n_prompt :]
@@ -56,10 +56,6 @@ def write_lake(
                     completion_logprobs=compute_logprobs(model, prompt, comp),
                 )
             )  # fmt: skip
-    # a retokenized call and a call the trees left out: neither is trained
-    if with_trees:
-        call_rows.append(dict(call_rows[0], call_id="retok", token_source="retokenized"))
-        call_rows.append(dict(call_rows[0], call_id="stray", prompt_token_ids=[7, 7, 7]))
     roll_rows = []
     for rid, info in infos.items():
         reward = float("nan") if rid == nan_reward else info.reward
@@ -69,14 +65,15 @@ def write_lake(
         )  # fmt: skip
         harness[rid] = info.harness
     roll_rows.append(dict(roll_rows[0], rollout_id="infra", status="infra_error", reward=None))
-    for table, rows, schema in (
-        ("tree_nodes", node_rows if with_trees else [], TREE_NODES),
-        ("model_calls", call_rows, MODEL_CALLS),
-        ("rollouts", roll_rows, ROLLOUTS),
-    ):
-        if not rows:
-            continue
-        tables.replace_partition(lake, table, RUN, iteration, pa.Table.from_pylist(rows, schema=schema))
+    tables.replace_partition(lake, "rollouts", RUN, iteration, pa.Table.from_pylist(roll_rows, schema=ROLLOUTS))
+    tables.replace_partition(lake, "model_calls", RUN, iteration, pa.Table.from_pylist(call_rows, schema=MODEL_CALLS))
+    if with_trees:
+        build_iteration(lake, RUN, iteration)
+        # a retokenized call and a call the trees left out: neither is trained
+        call_rows.append(dict(call_rows[0], call_id="retok", token_source="retokenized"))
+        call_rows.append(dict(call_rows[0], call_id="stray", prompt_token_ids=[7, 7, 7]))
+        calls = pa.Table.from_pylist(call_rows, schema=MODEL_CALLS)
+        tables.replace_partition(lake, "model_calls", RUN, iteration, calls)
     return harness
 
 

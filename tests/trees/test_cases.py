@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from clawpipe import tables
 from clawpipe.errors import LakeError
 from clawpipe.trees import build_iteration, build_trees
 from tests.trees.fixtures import call, locate, read_stats, read_tree, rollout, write_lake
@@ -267,6 +268,9 @@ def test_rebuild_replaces_the_partition_and_batches_agree_with_one_pass(tmp_path
     many = _build(tmp_path, calls, rolls, token_budget=len(p) + 1)  # one group per batch
     assert one == many and read_tree(tmp_path, RUN, 0, "group:g1") == before
     assert len(many) == 6 + 3
+    links = tables.connect(tmp_path).sql("select tree_id, call_id, node_id from tree_sequences").fetchall()
+    assert len(links) == 6 * 2  # each call once in its rollout tree and once in its group tree, after rebuilds
+    assert ("group:g1", "c1", _node_at(before, [*p, 21])["node_id"]) in links
 
 
 def test_build_trees_without_iteration_builds_every_iteration(tmp_path: Path) -> None:

@@ -128,7 +128,7 @@ def _check_tree(tree: list[dict], members: list[tuple[dict, list[int], int]]) ->
 @settings(max_examples=200, deadline=None)
 @given(rows=call_sets())
 def test_every_sequence_is_one_path_and_every_generated_token_appears_once(rows: list[dict]) -> None:
-    nodes, stats = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
+    nodes, stats, _ = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
     trees = _trees(nodes)
     members = _in_tree(rows)
     for tid, tree in trees.items():
@@ -145,13 +145,32 @@ def test_result_does_not_depend_on_arrival_order(rows: list[dict], seed: int) ->
     random.Random(seed).shuffle(shuffled)
     a = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
     b = build_forest(pa.Table.from_pylist(shuffled), run_id="R", iteration=0)
-    assert a[0].equals(b[0]) and a[1].equals(b[1])
+    assert a.nodes.equals(b.nodes) and a.stats.equals(b.stats) and a.sequences.equals(b.sequences)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=call_sets())
+def test_each_call_in_a_tree_is_linked_once_to_the_node_where_its_path_ends(rows: list[dict]) -> None:
+    nodes, _, links = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
+    trees = _trees(nodes)
+    by_key = {(x["tree_id"], x["call_id"], x["choice_index"]): x for x in links.to_pylist()}
+    members = _in_tree(rows)
+    expected = set()
+    for c, seq, glen in members:
+        for tid in (f"rollout:{c['rollout_id']}", "group:g"):
+            key = (tid, c["call_id"], c["choice_index"])
+            expected.add(key)
+            link = by_key[key]
+            assert locate(trees[tid], seq)[-1] == link["node_id"]
+            assert (link["n_prompt"], link["n_generated"]) == (len(c["prompt_token_ids"]), glen)
+            assert link["rollout_id"] == c["rollout_id"] and link["scope"] == tid.split(":")[0]
+    assert set(by_key) == expected and len(links) == len(expected)  # once per tree, kept-out calls absent
 
 
 @settings(max_examples=120, deadline=None)
 @given(rows=call_sets())
 def test_unique_tokens_never_exceed_flattened_and_equal_only_without_sharing(rows: list[dict]) -> None:
-    nodes, stats = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
+    nodes, stats, _ = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
     trees = _trees(nodes)
     for s in stats.to_pylist():
         tree = trees.get(s["tree_id"], [])
@@ -176,7 +195,7 @@ def _paths(tree: list[dict], members: list[tuple[dict, list[int], int]]) -> list
 @given(rows=call_sets())
 def test_group_labels_are_the_rollout_labels_of_the_branch_that_made_them(rows: list[dict]) -> None:
     """A branch is labelled within the rollout of its earliest call: a retry is a later call of THAT rollout."""
-    nodes, _ = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
+    nodes, _, _ = build_forest(pa.Table.from_pylist(rows), run_id="R", iteration=0)
     trees = _trees(nodes)
     members = _in_tree(rows)
     group = trees.get("group:g", [])
