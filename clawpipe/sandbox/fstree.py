@@ -187,10 +187,12 @@ def remove_tree(root: Path, *, missing_ok: bool = True) -> None:
 
 
 def copy_tree(src: Path, dst: Path, *, keep: Callable[[Entry], bool] | None = None) -> None:
-    """Copy ``src`` into a new folder ``dst``: directories, regular files (mode kept) and symlinks (as links).
+    """Copy ``src`` into a new folder ``dst``: directories, regular files (mode kept) and symlinks (as links),
+    with their owners when run as root.
 
     Other kinds (FIFOs, sockets, devices) are left out, and so is any entry ``keep`` rejects. Any depth.
     """
+    owners = os.geteuid() == 0
     os.mkdir(dst, 0o700)
     stack = _Stack([src, dst])
     try:
@@ -221,9 +223,16 @@ def copy_tree(src: Path, dst: Path, *, keep: Callable[[Entry], bool] | None = No
                 os.symlink(os.readlink(name, dir_fd=s_fd), name, dir_fd=d_fd)
             elif stat.S_ISREG(st.st_mode):
                 _copy_file(name, s_fd, d_fd, stat.S_IMODE(st.st_mode))
+            else:
+                continue
+            if owners:
+                os.chown(name, st.st_uid, st.st_gid, dir_fd=d_fd, follow_symlinks=False)
     finally:
         stack.close()
-    os.chmod(dst, stat.S_IMODE(os.stat(src).st_mode) | 0o700)
+    top = os.stat(src)
+    os.chmod(dst, stat.S_IMODE(top.st_mode) | 0o700)
+    if owners:
+        os.chown(dst, top.st_uid, top.st_gid)
 
 
 def _copy_file(name: str, s_fd: int, d_fd: int, mode: int) -> None:

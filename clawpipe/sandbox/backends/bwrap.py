@@ -10,13 +10,24 @@ at /harness (ro), the task at /task.json (ro), its work dir at /workdir (rw, own
 Start-up: bwrap reports the sandbox's pid on --info-fd and waits on --block-fd; meanwhile the host puts
 that pid into the cgroup (or sets rlimits), opens the bridge listener in its network namespace, and then
 releases it. A timeout SIGKILLs the namespace's pid 1, which takes every descendant with it.
+
+Like Docker's defaults: a seccomp filter (clawpipe.sandbox.seccomp) on everything the harness runs, and a
+fresh session keyring per sandbox (joined by the launching thread just before bwrap starts; a thread's
+keyrings are its own, and the child inherits them). Nothing secret or host-specific is on a command line:
+bwrap's options, the harness's environment (its key) and every host path among them, arrive through
+``--args FD`` (an in-memory file), so host ``ps`` and the sandbox's /proc/1/cmdline show only
+``bwrap --args N -- setpriv ... <the manifest's command>``; bwrap itself starts with an empty environment.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -43,6 +54,7 @@ from clawpipe.sandbox.backends.base import (
 )
 from clawpipe.sandbox.bridge import Bridge, listen_in_netns
 from clawpipe.sandbox.limits import Cgroup, CgroupLayout, detect_cgroups, sweep_stale_cgroups
+from clawpipe.sandbox.seccomp import build_filter, memfd_with
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +65,28 @@ logger = logging.getLogger(__name__)
 ETC_COPIES = ("ld.so.cache", "localtime", "mime.types")
 ETC_DIR_BINDS = ("alternatives", "ssl")
 INFO_TIMEOUT_S = 10.0
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_keyring_warned = False
+
+
+def join_fresh_session_keyring() -> int:
+    """Give the calling thread a new anonymous session keyring; processes it starts next inherit it.
+
+    Returns the keyring's serial, or 0 where keyctl is refused (e.g. a container's own seccomp profile),
+    which is logged once: the sandbox's filter denies keyctl anyway.
+    """
+    global _keyring_warned
+    nr = SYS_KEYCTL.get(platform.machine())
+    serial = -1 if nr is None else _libc.syscall(ctypes.c_long(nr), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
+    if serial >= 0:
+        return int(serial)
+    err = ctypes.get_errno() if nr is not None else errno.ENOSYS
+    if not _keyring_warned:
+        _keyring_warned = True
+        logger.warning("no fresh session keyring per sandbox (keyctl: %s)", os.strerror(err))
+    return 0
 
 
 def _etc_skeleton() -> Path:
@@ -121,6 +155,7 @@ class BwrapBackend:
         self.cgroups = cgroups if cgroups is not None else detect_cgroups()
         sweep_stale_cgroups(self.cgroups)
         self._etc = _etc_skeleton()
+        self._seccomp = build_filter()
         self._static = self._static_args()
 
     def _static_args(self) -> list[str]:
@@ -161,7 +196,8 @@ class BwrapBackend:
         self._made = made
         return args
 
-    def command(self, job: SandboxJob, info_w: int, block_r: int) -> list[str]:
+    def command(self, job: SandboxJob, info_w: int, block_r: int, seccomp_fd: int) -> list[str]:
+        """bwrap's whole argument list; :meth:`run` passes the options (everything before "--") through ``--args``."""
         env = harness_env(
             job, port=self.inner_port, workdir=INNER_WORKDIR, task_path=INNER_TASK, path_dirs=[str(self.python.bin)]
         )
@@ -175,7 +211,7 @@ class BwrapBackend:
             args += ["--ro-bind", str(job.manifest.kit_dir), INNER_KIT]
         args += ["--bind", str(job.workdir), INNER_WORKDIR, "--chdir", INNER_WORKDIR]
         args += ["--ro-bind", str(job.task_path), INNER_TASK]
-        args += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
+        args += ["--info-fd", str(info_w), "--block-fd", str(block_r), "--seccomp", str(seccomp_fd)]
         for k, v in env.items():
             args += ["--setenv", k, v]
         args += [
@@ -200,19 +236,26 @@ class BwrapBackend:
         cgroup: Cgroup | None = None
         route = None
         proc: subprocess.Popen[bytes] | None = None
+        seccomp_fd = args_fd = -1
         try:
+            seccomp_fd = memfd_with(self._seccomp, "clawpipe-seccomp")
+            argv = self.command(job, info_w, block_r, seccomp_fd)
+            cut = argv.index("--")  # bwrap takes options from --args, the command (setpriv ...) from argv
+            args_fd = memfd_with(b"".join(os.fsencode(a) + b"\0" for a in argv[1:cut]), "clawpipe-bwrap-args")
+            join_fresh_session_keyring()
             with open(job.stdout_path, "wb") as so, open(job.stderr_path, "wb") as se:
                 proc = subprocess.Popen(
-                    self.command(job, info_w, block_r),
+                    [argv[0], "--args", str(args_fd), *argv[cut:]],
                     stdin=subprocess.DEVNULL,
                     stdout=so,
                     stderr=se,
-                    pass_fds=(info_w, block_r),
+                    pass_fds=(info_w, block_r, seccomp_fd, args_fd),
                     close_fds=True,
+                    env={},
                 )
-            os.close(info_w)
-            os.close(block_r)
-            info_w = block_r = -1
+            for fd in (info_w, block_r, seccomp_fd, args_fd):
+                os.close(fd)
+            info_w = block_r = seccomp_fd = args_fd = -1
             child = self._read_child_pid(info_r, proc, job)
             cgroup = confine(child, job, self.cgroups)
             route = bridge.attach(listen_in_netns(child, self.inner_port))
@@ -241,7 +284,7 @@ class BwrapBackend:
                 detach_route(bridge, route, out)
             if cgroup is not None:
                 cgroup.remove()
-            for fd in (info_r, info_w, block_r, block_w):
+            for fd in (info_r, info_w, block_r, block_w, seccomp_fd, args_fd):
                 if fd >= 0:
                     try:
                         os.close(fd)
