@@ -7,7 +7,9 @@ see clawpipe.tasks.check) gets its check run by :func:`run_check` in a new sandb
 - a fresh folder holding a COPY of the declared inputs only (regular files taken without following links,
   size-capped; the live work dir is never mounted), owned by root and read-only to the sandbox except the
   two files the check writes (result.json, log.txt);
-- uid 65534 without capabilities, the backend's time/memory/pids limits, and NO network: the listener
+- uid 65534 without capabilities, the backend's time/memory/pids limits plus a file-size limit that the
+  check cannot raise (``prlimit --fsize``, so no file it writes outgrows what the host reads), and NO
+  network: the listener
   the backend opens in the sandbox's network namespace is closed at once (:class:`ClosedBridge`), so
   nothing answers at any address;
 - an environment without secrets: the rollout's proxy key is never passed (a placeholder stands in),
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from clawpipe.errors import ConfigError, ManifestError
+from clawpipe.errors import ConfigError, ManifestError, SandboxError
 from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, SandboxJob
 from clawpipe.sandbox.bridge import Bridge, Route
 from clawpipe.sandbox.limits import Limits
@@ -45,6 +47,7 @@ ISOLATING_BACKENDS = ("bwrap", "docker")
 PLACEHOLDER_KEY = "no-key-in-checks"  # what the check sees where a harness sees its proxy key
 LOG_TAIL_CHARS = 1000
 MAX_LOG_READ = 1 << 20
+PRLIMIT = "/usr/bin/prlimit"  # util-linux, like the setpriv the bwrap backend needs
 
 
 class Verifiable(Protocol):
@@ -196,21 +199,34 @@ def _log_tail(work: Path, vdir: Path) -> str:
     return text.replace(str(vdir), "<check>")[-LOG_TAIL_CHARS:]  # no host path in the reward info
 
 
-def run_check(backend: Backend, program: CheckProgram, workdir: Path, *, scratch: Path, label: str) -> CheckRun:
+def _limited(command: tuple[str, ...], program: CheckProgram) -> tuple[str, ...]:
+    """``command`` under hard rlimits set before it starts: file size (what the host reads, never more) and
+    no core dumps."""
+    if not Path(PRLIMIT).is_file():
+        raise SandboxError(f"{PRLIMIT} (util-linux) not found: apt-get install -y util-linux")
+    fsize = max(program.max_result_bytes, MAX_LOG_READ)
+    return (PRLIMIT, f"--fsize={fsize}", "--core=0", "--", *command)
+
+
+def run_check(
+    backend: Backend, program: CheckProgram, workdir: Path, *, scratch: Path | None = None, label: str = "check"
+) -> CheckRun:
     """Run ``program`` against copies of its inputs from ``workdir`` in a fresh sandbox of ``backend``.
 
-    ``scratch`` is a host folder for the check's own folder (removed afterwards); ``label`` names the
-    sandbox in logs. Raises SandboxError when the sandbox cannot start (an infra error).
+    ``scratch`` is the host folder for the check's own folder (default: the system's temporary folder,
+    outside the rollout's disk quota, which the harness may have filled); the folder is removed
+    afterwards. ``label`` names the sandbox in logs. Raises SandboxError when the sandbox cannot start.
     """
-    scratch.mkdir(parents=True, exist_ok=True)
-    vdir = Path(tempfile.mkdtemp(prefix="check-", dir=scratch))
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    vdir = Path(tempfile.mkdtemp(prefix="clawpipe-check-", dir=scratch))
     try:
         skipped = _lay_out(vdir, program, workdir, _owner(backend))
         tag = re.sub(r"[^a-z0-9_.-]", "-", label.lower())[:40] or "check"
         manifest = HarnessManifest(
             name=f"check-{tag}",
             dir=vdir / "program",
-            command=program.command,
+            command=_limited(program.command, program),
             timeout_s=program.timeout_s,
             limits=Limits(memory_mb=program.memory_mb, cpus=1.0, pids=program.pids),
         )
@@ -254,7 +270,8 @@ def verify_rollout(
     Read-only verifiers are called as they are; a ``needs_sandbox`` task set has its check run in a
     fresh sandbox of ``backend`` (refused on a non-isolating backend unless the operator opted in, see
     :func:`check_backend`) and is scored on the host. ``scratch`` holds the check's folder while it runs
-    (default: beside the work dir). A task whose data cannot make a check gets reward 0 with the reason.
+    (default: the system's temporary folder). A task whose data cannot make a check gets reward 0 with
+    the reason.
     """
     if not needs_sandbox(task_set):
         return task_set.verify(task, workdir)
@@ -265,5 +282,5 @@ def verify_rollout(
     except ManifestError as exc:
         return 0.0, {"reason": str(exc)}
     label = f"{task_set.name}-{task.get('task_id', '')}"
-    run = run_check(backend, program, Path(workdir), scratch=scratch or Path(workdir).parent, label=label)
+    run = run_check(backend, program, Path(workdir), scratch=scratch, label=label)
     return task_set.score(task, run)

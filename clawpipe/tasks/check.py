@@ -24,7 +24,8 @@ What the program sees and must do (the check protocol):
   writes ONE JSON document of plain values;
 - ``$CLAWPIPE_OUTPUT/log.txt`` (:data:`LOG_FILE`): an existing empty file for its own output (a tail
   of it reaches the reward info); anything else it prints is discarded;
-- a writable private /tmp; the exit code is reported but decides nothing by itself.
+- a writable private /tmp; a hard file-size limit of max(max_result_bytes, 1 MiB) per file, no core dumps;
+- the exit code is reported but decides nothing by itself.
 """
 
 from __future__ import annotations

@@ -144,9 +144,9 @@ def render_sandbox_check(function: str, arguments: list[Any]) -> str:
     return f'''"""Calls {function} of solution.py on each case and writes the results as JSON for the host."""
 import json, os, resource
 
-# Hard limits before any solution code runs: the sandbox user has no capability to raise them again.
-for _r, _v in ((resource.RLIMIT_FSIZE, 4 << 20), (resource.RLIMIT_CPU, {int(CHECK_TIMEOUT_S)}),
-               (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+# Hard limits before any solution code runs (the runner set the file size limit already): the sandbox
+# user has no capability to raise them again.
+for _r, _v in ((resource.RLIMIT_CPU, {int(CHECK_TIMEOUT_S)}), (resource.RLIMIT_NOFILE, 64)):
     resource.setrlimit(_r, (_v, _v))
 _out = os.environ["CLAWPIPE_OUTPUT"]
 _log = os.open(os.path.join(_out, "log.txt"), os.O_WRONLY | os.O_APPEND)

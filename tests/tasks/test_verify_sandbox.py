@@ -13,8 +13,8 @@ from clawpipe.errors import ConfigError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.backends.base import get_backend
 from clawpipe.sandbox.backends.process import ProcessBackend
-from clawpipe.sandbox.verify import check_backend, verify_rollout
-from clawpipe.tasks import get_task_set
+from clawpipe.sandbox.verify import check_backend, run_check, verify_rollout
+from clawpipe.tasks import CheckProgram, get_task_set
 from tests.sandbox.support import Upstream, make_harness
 
 FIXIT = get_task_set("fixit")
@@ -131,3 +131,17 @@ def test_fixit_checks_in_docker(tmp_path: Path, docker_host: str) -> None:
     assert outcomes["honest"][0] == 1.0, outcomes["honest"]
     assert outcomes["eq"][0] == 0.0 and not (tmp_path / "m").exists()
     assert outcomes["net"][0] == 0.0 and "ConnectionRefusedError" in outcomes["net"][1]["reason"]
+
+
+def test_a_check_cannot_write_more_than_the_host_reads(tmp_path: Path) -> None:
+    flood = (
+        "import errno, os\nout = os.environ['CLAWPIPE_OUTPUT']\ntry:\n"
+        "    with open(out + '/result.json', 'w') as f:\n        f.write('1' * (8 << 20))\n"
+        "except OSError as exc:\n    size = os.path.getsize(out + '/result.json')\n"
+        "    open(out + '/log.txt', 'w').write(f'{errno.errorcode[exc.errno]} {size}')\n"
+    )
+    program = CheckProgram(files={"flood.py": flood}, command=("python3", "-I", "flood.py"), max_result_bytes=1024)
+    run = run_check(ProcessBackend(), program, tmp_path, scratch=tmp_path / "scratch")
+    assert run.log_tail == f"EFBIG {1 << 20}"  # stopped at the file-size limit (1 MiB), set before it started
+    assert run.output is None and "larger than 1024 bytes" in (run.reason or "")
+    assert not list((tmp_path / "scratch").iterdir())  # the check's folder is gone
