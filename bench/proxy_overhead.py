@@ -4,21 +4,27 @@ Run: ``.venv/bin/python bench/proxy_overhead.py [--rss-calls 100000] [--no-peer]
 
 In one run it measures the mock upstream alone, clawpipe's proxy (durable capture on: group-committed,
 fsynced segments) and, when it can be started, a peer's gateway (Agent Lightning 1.0.2 via
-``../shared/bench/peer_gateway.sh``, Python 3.12 in its own venv), each in front of the same vLLM-style mock
-upstream (``../shared/bench/mock_upstream.py``) and driven by the same closed-loop load generator
-(``loadgen.py``). CPU per call is the proxy process tree's utime+stime (psutil) across the load divided by
-calls, with the proxy pinned to core 1 and upstream + load generator to core 0 (bench/README in shared).
-Small call: 0.5 KB request / 7 KB response; large: 64 KB / 150 KB. Prints human lines, then one JSON line.
+``$CLAWPIPE_SHARED_BENCH/peer_gateway.sh``, Python 3.12 in its own venv), each in front of the same
+vLLM-style mock upstream (``mock_upstream.py`` there) and driven by the same closed-loop load generator
+(:func:`loadgen_child`, run as a child of this script). CPU per call is the proxy process tree's
+utime+stime (psutil) over the measured calls only, divided by their number: the load generator warms its
+connections up first and waits, so warm-up CPU is in neither the numerator nor the denominator. The proxy
+is pinned to core 1, upstream + load generator to core 0. Small call: 0.5 KB request / 7 KB response;
+large: 64 KB / 150 KB. Request-body rows: the proxy's CPU per MB of request body for bodies of 1 KB to
+24 MB, sent with Content-Length and chunked (64 KB chunks). The machine's load average is printed next to
+the figures (they mean little on a busy machine). Prints human lines, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,29 +79,191 @@ def tree_rss(pid: int) -> int:
     return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
 
 
-def loadgen(path: str, port: int, conc: int, n: int, size: str, core: int | None) -> dict[str, Any]:
-    env = {**os.environ, "LG_MODEL": "mock-model"}
-    cmd = [*pin(core), PY, str(SHARED / "loadgen.py"), path, str(port), str(conc), str(n), size, "100"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.2f}/{five:.2f}"
+
+
+def _chat_body(size: str) -> bytes:
+    """The request bodies of the load generator: small (~0.5 KB) or large (~64 KB, a long agent context)."""
+    if size == "small":
+        msgs = [
+            {"role": "system", "content": "You are a helpful agent."},
+            {"role": "user", "content": "Compute 2+2 and explain briefly. " * 10},
+        ]
+    else:
+        msgs = [{"role": "system", "content": "You are a coding agent. " * 200}]
+        for i in range(20):
+            msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": (f"observation line {i} ") * 150})
+    obj = {"model": "mock-model", "messages": msgs, "temperature": 0.3, "max_tokens": 512}
+    return json.dumps(obj).encode()
+
+
+async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: bytes) -> int:
+    writer.write(req)
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    clen, chunked = 0, False
+    for line in head.split(b"\r\n"):
+        low = line.lower()
+        if low.startswith(b"content-length:"):
+            clen = int(line[15:])
+        elif low.startswith(b"transfer-encoding:") and b"chunked" in low:
+            chunked = True
+    if chunked:
+        while n := int((await reader.readuntil(b"\r\n")).strip(), 16):
+            await reader.readexactly(n + 2)
+        await reader.readexactly(2)
+    elif clen:
+        await reader.readexactly(clen)
+    return status
+
+
+def loadgen_child(path: str, port: int, conc: int, total: int, size: str, warm: int) -> None:
+    """Closed-loop keep-alive load: ``conc`` connections warm up (``warm`` calls between them), then the
+    child prints ``warm`` and waits for a line on stdin before the ``total`` measured calls; prints JSON."""
+    body = _chat_body(size)
+    req = b"POST %b HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
+        path.encode(),
+        len(body),
+    )
+    req += body
+    lat: list[float] = []
+    errors = [0]
+
+    async def main() -> float:
+        conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conc)]
+        for r, w in conns:
+            for _ in range(max(1, warm // conc)):
+                await _one(r, w, req)
+        print("warm", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        left = [total]
+
+        async def worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while left[0] > 0:
+                left[0] -= 1
+                t = time.perf_counter()
+                if await _one(r, w, req) != 200:
+                    errors[0] += 1
+                lat.append((time.perf_counter() - t) * 1000)
+            w.close()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(r, w) for r, w in conns))
+        return time.perf_counter() - t0
+
+    elapsed = asyncio.run(main())
+    s = sorted(lat)
+    out = {
+        "n": len(s),
+        "median_ms": round(statistics.median(s), 3),
+        "p99_ms": round(s[max(0, int(0.99 * len(s)) - 1)], 3),
+        "calls_per_s": round(len(s) / elapsed, 1),
+        "errors": errors[0],
+    }
+    print(json.dumps(out), flush=True)
+
+
+def loadgen(
+    path: str, port: int, conc: int, n: int, size: str, core: int | None, pid: int | None = None
+) -> tuple[dict[str, Any], float]:
+    """Run the load generator; returns its figures and the CPU seconds of process ``pid`` (and children)
+    over the measured calls only."""
+    cmd = [*pin(core), PY, __file__, "--loadgen-child", path, str(port), str(conc), str(n), size, "100"]
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        if child.stdout.readline().strip() != "warm":
+            raise RuntimeError("load generator failed during warm-up")
+        before = tree_cpu(pid) if pid else 0.0
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        result = child.stdout.readline()
+        after = tree_cpu(pid) if pid else 0.0
+        child.wait(60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    if child.returncode != 0 or not result:
+        raise RuntimeError(f"load generator exited with {child.returncode}")
+    return json.loads(result), after - before
 
 
 def measure(name: str, pid: int | None, path: str, port: int, core0: int | None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for size, conc, n in CASES:
-        before = tree_cpu(pid) if pid else 0.0
-        lg = loadgen(path, port, conc, n, size, core0)
-        after = tree_cpu(pid) if pid else 0.0
+        lg, cpu = loadgen(path, port, conc, n, size, core0, pid)
         row = {
-            "cpu_ms_per_call": round((after - before) * 1000 / lg["n"], 4) if pid else None,
+            "cpu_ms_per_call": round(cpu * 1000 / lg["n"], 4) if pid else None,
             "median_ms": lg["median_ms"],
             "p99_ms": lg["p99_ms"],
             "calls_per_s": lg["calls_per_s"],
             "errors": lg["errors"],
         }
         results[f"{size}_{conc}"] = row
-        print(f"{name:9s} {size:5s} x{conc:<2d} {row}", flush=True)
+        print(f"{name:9s} {size:5s} x{conc:<2d} {row} load {load()}", flush=True)
     return results
+
+
+BODY_SIZES = [(1 << 10, 400), (64 << 10, 200), (1 << 20, 30), (24 << 20, 4)]
+SEND_PIECE = 64 << 10
+
+
+def _body_of(size: int) -> bytes:
+    """A chat request whose JSON body is ``size`` bytes (the filler is the user's message)."""
+    shell = json.dumps({"model": "mock-model", "messages": [{"role": "user", "content": ""}]}).encode()
+    return shell.replace(b'"content": ""', b'"content": "' + b"x" * (size - len(shell)) + b'"')
+
+
+def _send_body(sock: socket.socket, path: str, body: bytes, chunked: bool) -> None:
+    head = f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+    if not chunked:
+        sock.sendall(head.encode() + b"content-length: %d\r\n\r\n" % len(body) + body)
+        return
+    sock.sendall(head.encode() + b"transfer-encoding: chunked\r\n\r\n")
+    view = memoryview(body)
+    for i in range(0, len(body), SEND_PIECE):  # one write per chunk, as streaming clients send them
+        piece = view[i : i + SEND_PIECE]
+        sock.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+    sock.sendall(b"0\r\n\r\n")
+
+
+def _read_response(sock: socket.socket) -> None:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        buf += sock.recv(65536)
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    clen = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(rest) < clen:
+        rest += sock.recv(1 << 20)
+
+
+def request_bodies(pid: int, path: str, port: int) -> dict[str, Any]:
+    """The proxy's CPU ms per MB of request body, by body size, with Content-Length and chunked."""
+    rows: dict[str, Any] = {}
+    for size, n in BODY_SIZES:
+        body = _body_of(size)
+        for chunked in (False, True):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                _send_body(sock, path, body, chunked)  # warm-up call, not measured
+                _read_response(sock)
+                before = tree_cpu(pid)
+                for _ in range(n):
+                    _send_body(sock, path, body, chunked)
+                    _read_response(sock)
+                cpu = tree_cpu(pid) - before
+            key = f"{size >> 10}KB_{'chunked' if chunked else 'length'}"
+            rows[key] = round(cpu * 1000 / (n * size / 2**20), 2)
+        kb = size >> 10
+        print(
+            f"clawpipe  request body {kb:>6d} KB: CPU ms/MB length {rows[f'{kb}KB_length']:8.2f}"
+            f"  chunked {rows[f'{kb}KB_chunked']:8.2f}  load {load()}",
+            flush=True,
+        )
+    return rows
 
 
 def start_clawpipe(up_port: int, capture_dir: Path, core: int | None) -> tuple[subprocess.Popen[bytes], int]:
@@ -178,7 +346,13 @@ def main() -> None:
         "--rss-calls", type=int, default=30000, help="captured calls (9 small : 1 large) before RSS; 100000: full check"
     )
     ap.add_argument("--no-peer", action="store_true", help="skip the peer gateway")
+    ap.add_argument("--no-bodies", action="store_true", help="skip the request-body rows")
+    ap.add_argument("--loadgen-child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.loadgen_child:
+        path, port, conc, total, size, warm = args.loadgen_child
+        loadgen_child(path, int(port), int(conc), int(total), size, int(warm))
+        return
     from clawpipe.keys import mint_key
 
     two_cores = (os.cpu_count() or 1) >= 2
@@ -189,7 +363,7 @@ def main() -> None:
         [*pin(core0), PY, str(SHARED / "mock_upstream.py"), str(up_port)], stdout=subprocess.DEVNULL
     )
     procs: list[int] = [upstream.pid]
-    report: dict[str, Any] = {"pinned": two_cores, "durable_capture": True}
+    report: dict[str, Any] = {"pinned": two_cores, "durable_capture": True, "loadavg_start": os.getloadavg()}
     try:
         wait_port(up_port)
         alone = measure("upstream", None, "/v1/chat/completions", up_port, core0)
@@ -204,6 +378,8 @@ def main() -> None:
         rss = rss_run(proxy.pid, path, port, args.rss_calls, core0)
         report["clawpipe_rss"] = rss
         print(f"clawpipe  RSS after {rss['calls']} captured calls: {rss}", flush=True)
+        if not args.no_bodies:  # after the RSS run: 24 MB bodies would raise its starting figure
+            report["clawpipe_request_body_cpu_ms_per_mb"] = request_bodies(proxy.pid, path, port)
         captured = sum(f.stat().st_size for f in (tmp / "captures").iterdir())
         report["captured_mb"] = round(captured / 2**20, 1)
         proxy.send_signal(signal.SIGTERM)
@@ -242,7 +418,11 @@ def main() -> None:
         "rss_lt_200mb": report["clawpipe_rss"]["rss_mb_max"] < 200,
     }
     cpu = "/".join(f"{ours[c]['cpu_ms_per_call']:.3f}" for c in ours)
-    print(f"summary: clawpipe cpu ms/call {cpu} ({', '.join(ours)}); peer/clawpipe {ratios}; added median {added} ms")
+    report["loadavg_end"] = os.getloadavg()
+    print(
+        f"summary: clawpipe cpu ms/call {cpu} ({', '.join(ours)}); peer/clawpipe {ratios}; added median {added} ms;"
+        f" load {load()}"
+    )
     print(json.dumps(report, separators=(",", ":")))
 
 

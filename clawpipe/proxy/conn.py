@@ -62,6 +62,7 @@ class ClientConn(asyncio.Protocol):
         self._head_scanned = 0  # bytes of an incomplete head already searched for its end
         self._discard = 0  # bytes of a refused body still to read and drop before closing
         self._close_pending = False
+        self._dropped = False  # the input being parsed was refused: drop what is left of it
         self.refused = False  # over the connection limit: answered 503 and closed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -147,89 +148,92 @@ class ClientConn(asyncio.Protocol):
 
     # --- parsing -------------------------------------------------------------------------------------
     def _parse(self, data: bytes | None) -> None:
-        """Parse requests from ``data`` (a fresh read while nothing is buffered) or from ``self.buf``."""
+        """Parse requests from ``data`` (a fresh read while nothing is buffered) or from ``self.buf``; what is
+        left unconsumed stays in ``self.buf``. A fresh read is parsed where it lies, not copied first."""
+        src: bytes | bytearray = self.buf if data is None else data
+        pos = 0
+        self._dropped = False
         while not self.busy and not self.closed:
             if self._head is None:
-                if data is not None:
-                    self.buf += data
-                    data = None
-                if not self._read_head():
-                    return
+                after = self._read_head(src, pos)
+                if after < 0:
+                    break
+                pos = after
                 continue
-            if data is not None:  # the body straight from the read, without copying it into buf first
-                used = self._body_bytes(data)
-                if used < len(data):
-                    self.buf += data[used:] if used else data
-                data = None
-            elif self.buf:
-                used = self._body_bytes(self.buf)
-                del self.buf[:used]
-            else:
-                used = self._body_bytes(b"")
-            if self.closed or self._head is None:
+            pos = self._body_bytes(src, pos)
+            if self._head is None or self.closed:
                 continue
             if not self._body_done():
-                return
+                break
             self._dispatch_body()
+        if self._dropped:  # refused or rejected: nothing after it is parsed
+            self.buf = bytearray()
+        elif src is self.buf:
+            if pos > 0:
+                del self.buf[:pos]
+        elif pos < len(src):
+            self.buf = bytearray(src[pos:] if pos else src)
 
-    def _read_head(self) -> bool:
-        """Take a complete head off ``buf``: True when the parser should go on (head taken or refused)."""
-        buf = self.buf
-        end = buf.find(b"\r\n\r\n", max(0, self._head_scanned - 3))
+    def _read_head(self, src: bytes | bytearray, pos: int) -> int:
+        """Take a complete head from ``src`` at ``pos``: the position after it, or -1 (need more, or refused)."""
+        start = pos + max(0, self._head_scanned - 3)  # an incomplete head is not searched again
+        end = src.find(b"\r\n\r\n", start)
         if end < 0:
-            self._head_scanned = len(buf)
-            if len(buf) > MAX_HEAD:  # checked on every read: a head never grows past the limit
+            self._head_scanned = len(src) - pos  # what is left goes to buf, from its start
+            if len(src) - pos > MAX_HEAD:  # checked on every read: a head never grows past the limit
                 self._reject(431, f"request head larger than {MAX_HEAD} bytes")
-            return False
-        if end > MAX_HEAD:
+            return -1
+        if end - pos > MAX_HEAD:
             self._reject(431, f"request head larger than {MAX_HEAD} bytes")
-            return False
-        raw = bytes(buf[:end])
-        del buf[: end + 4]
+            return -1
         self._head_scanned = 0
         try:
-            head = parse_request_head(raw)
+            head = parse_request_head(bytes(src[pos:end]))
         except BadRequest as exc:
             self._reject(exc.status, str(exc))
-            return False
+            return -1
+        pos = end + 4
         cfg = self.proxy.config
         self.phase, self.since = BODY, self.proxy._loop.time()
         if head.length > cfg.max_body_bytes:
-            self._refuse(head, 413, head.length, max(0, head.length - len(buf)))
-            return False
+            self._refuse(head, 413, head.length, max(0, head.length - (len(src) - pos)))
+            return -1
         if head.length > 0 and not self._hold(head.length):
-            self._refuse(head, 503, None, max(0, head.length - len(buf)))
-            return False
+            self._refuse(head, 503, None, max(0, head.length - (len(src) - pos)))
+            return -1
         self._head = head
         if head.length < 0:
             self._chunks = ChunkedBody(cfg.max_body_bytes)
-        if head.headers.get(b"expect", b"").lower() == b"100-continue" and (head.length < 0 or len(buf) < head.length):
+        if head.headers.get(b"expect", b"").lower() == b"100-continue" and (
+            head.length < 0 or len(src) - pos < head.length
+        ):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        return True
+        return pos
 
-    def _body_bytes(self, data: bytes | bytearray) -> int:
-        """Feed body bytes to the current request; returns how many were used."""
+    def _body_bytes(self, src: bytes | bytearray, pos: int) -> int:
+        """Feed body bytes from ``src`` at ``pos`` to the current request; returns the position after them."""
         head = self._head
         assert head is not None
         chunks = self._chunks
+        n = len(src)
         if chunks is None:
-            take = min(head.length - self._have, len(data))
+            take = min(head.length - self._have, n - pos)
             if take:
-                self._parts.append(bytes(data) if take == len(data) else bytes(data[:take]))
+                self._parts.append(src if take == n and type(src) is bytes else bytes(src[pos : pos + take]))
                 self._have += take
-            return take
+            return pos + take
         try:
-            used = chunks.feed(data)
+            end = chunks.feed(src, pos)
         except BadRequest as exc:
             if exc.status == 413:  # answered and captured like an over-limit content-length body
                 self._refuse(head, 413, f"more than {self.proxy.config.max_body_bytes}", 1 << 62)
             else:
                 self._reject(exc.status, str(exc))
-            return len(data)
+            return n
         if chunks.size > self._held and not self._hold(chunks.size - self._held):
             self._refuse(head, 503, None, 1 << 62)
-            return len(data)
-        return used
+            return n
+        return end
 
     def _body_done(self) -> bool:
         head = self._head
@@ -261,7 +265,7 @@ class ClientConn(asyncio.Protocol):
     def _reject(self, status: int, message: str) -> None:
         """A request that cannot be framed: answer and close, never reading past it."""
         self.write(wire.error_response(status, message, anthropic=False, keep_alive=False))
-        self.buf = bytearray()
+        self._dropped = True
         self.close()
 
     def _refuse(self, head: Head, status: int, size: object, discard: int) -> None:
@@ -270,7 +274,7 @@ class ClientConn(asyncio.Protocol):
         closes."""
         self._release()
         self._head, self._chunks, self._parts, self._have = None, None, [], 0
-        self.buf = bytearray()
+        self._dropped = True
         self._discard = discard
         req = self._request(head, b"")
         req.keep_alive = False

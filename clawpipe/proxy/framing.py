@@ -21,7 +21,9 @@ MAX_HEAD = 65536  # request head (and upstream response head) size limit
 MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions
 # A bare CR or LF (not part of a CRLF) or a control character other than HTAB.
 _BAD_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Fast paths of the same checks (bytes.translate deletes in C): what is left after deleting the allowed bytes.
+_HEAD_OK = bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)])
+_TOKEN_OK = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
 
 
@@ -40,8 +42,10 @@ _BAD_NAMES = {b"\n": "a bare LF", b"\r": "a bare CR"}
 
 
 def _lines(head: bytes, what: str) -> list[bytes]:
-    bad = _BAD_HEAD.search(head)
-    if bad is not None:
+    crlf = head.count(b"\r\n")
+    if head.translate(None, _HEAD_OK) or head.count(b"\r") != crlf or head.count(b"\n") != crlf:
+        bad = _BAD_HEAD.search(head)
+        assert bad is not None
         found = _BAD_NAMES.get(bad.group()[:1], "a control character")
         raise BadRequest(
             400,
@@ -52,23 +56,27 @@ def _lines(head: bytes, what: str) -> list[bytes]:
 
 
 def _fields(
-    lines: list[bytes], what: str
-) -> tuple[list[tuple[bytes, bytes]], dict[bytes, bytes], set[int], list[bytes]]:
-    """Header fields in order and by lower-cased name (last value wins), the Content-Length values, the
-    transfer codings."""
-    ordered: list[tuple[bytes, bytes]] = []
+    lines: list[bytes], what: str, ordered: list[tuple[bytes, bytes]] | None = None
+) -> tuple[dict[bytes, bytes], set[int], list[bytes]]:
+    """Header fields by lower-cased name (last value wins; also in order into ``ordered`` when given), the
+    Content-Length values, the transfer codings."""
     headers: dict[bytes, bytes] = {}
     lengths: set[int] = set()
     codings: list[bytes] = []
     for line in lines:
         name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN.fullmatch(name):
+        if not sep or not name or name.translate(None, _TOKEN_OK):
             raise BadRequest(400, f"malformed {what} header line {line[:60]!r}: expected 'Name: value'")
         lname = name.lower()
         value = value.strip(b" \t")
+        if len(lname) not in (14, 17):  # neither content-length nor transfer-encoding
+            headers[lname] = value
+            if ordered is not None:
+                ordered.append((lname, value))
+            continue
         if lname == b"content-length":
-            for item in value.split(b","):
-                item = item.strip(b" \t")
+            items = [value] if value.isdigit() else [i.strip(b" \t") for i in value.split(b",")]
+            for item in items:
                 if not item.isdigit() or len(item) > 18:
                     raise BadRequest(400, f"malformed Content-Length {value[:40]!r} in the {what}")
                 lengths.add(int(item))
@@ -76,19 +84,26 @@ def _fields(
             codings.extend(c.strip(b" \t").lower() for c in value.split(b",") if c.strip(b" \t"))
             value = b", ".join(codings)
         headers[lname] = value
-        ordered.append((lname, value))
-    return ordered, headers, lengths, codings
+        if ordered is not None:
+            ordered.append((lname, value))
+    return headers, lengths, codings
 
 
 def parse_request_head(head: bytes) -> Head:
     """Parse and check a request head (without its final CRLFCRLF); raises :class:`BadRequest` (400/501)."""
     lines = _lines(head, "request")
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] not in _VERSIONS or not _TOKEN.fullmatch(parts[0]) or not parts[1]:
+    if (
+        len(parts) != 3
+        or parts[2] not in _VERSIONS
+        or not parts[0]
+        or parts[0].translate(None, _TOKEN_OK)
+        or not parts[1]
+    ):
         raise BadRequest(400, "malformed HTTP request line: expected 'METHOD /path HTTP/1.1'")
     if not parts[1].isascii():
         raise BadRequest(400, "non-ASCII request target: percent-encode it")
-    _, headers, lengths, codings = _fields(lines[1:], "request")
+    headers, lengths, codings = _fields(lines[1:], "request")
     version = parts[2]
     if codings:
         if lengths:
@@ -135,7 +150,8 @@ def check_response_head(head: bytes) -> ResponseFraming:
             raise BadRequest(502, f"malformed status line {lines[0][:80]!r}")
         if not (len(status_line[1]) == 3 and status_line[1].isdigit()):
             raise BadRequest(502, f"malformed status code {status_line[1][:10]!r}")
-        ordered, headers, lengths, codings = _fields(lines[1:], "upstream response")
+        ordered: list[tuple[bytes, bytes]] = []
+        headers, lengths, codings = _fields(lines[1:], "upstream response", ordered)
     except BadRequest as exc:
         raise ValueError(str(exc)) from exc
     if codings and lengths:
@@ -185,10 +201,10 @@ class ChunkedBody:
     def body(self) -> bytes:
         return b"".join(self.parts)
 
-    def feed(self, data: bytes | bytearray) -> int:
-        """Consume what can be consumed of ``data`` (what the last call left unconsumed comes first again);
-        raises BadRequest (400 malformed, 413 over the limit)."""
-        pos, n = 0, len(data)
+    def feed(self, data: bytes | bytearray, pos: int = 0) -> int:
+        """Consume what can be consumed of ``data`` from ``pos`` on (what the last call left unconsumed comes
+        first again); returns the position after it. Raises BadRequest (400 malformed, 413 over the limit)."""
+        n = len(data)
         while pos < n and not self.done:
             state = self._state
             if state == _DATA:

@@ -134,3 +134,83 @@ def test_prepare_body_splices_or_rewrites():
     assert prepare_body("messages", b"{}", {}) == (b'{"return_token_ids": true}', {"added": {"return_token_ids": True}})
     same = b'{"return_token_ids": true}'
     assert prepare_body("responses", same, {"return_token_ids": True}) == (same, {})
+
+
+class _Loop:
+    def time(self) -> float:
+        return 0.0
+
+    def create_task(self, job: object) -> object:
+        return job
+
+
+class _Proxy:
+    """What a ClientConn needs of the proxy, recording the requests it hands over."""
+
+    def __init__(self) -> None:
+        from clawpipe.proxy import ProxyConfig
+        from clawpipe.proxy.limits import BodyBudget
+
+        self.config = ProxyConfig(upstreams=["http://127.0.0.1:1"], capture_dir="unused")
+        self._loop = _Loop()
+        self._conns: set[object] = set()
+        self.body_budget = BodyBudget(1 << 20)
+        self.seen: list[object] = []
+
+    def _handle(self, conn: object, req: object) -> None:
+        self.seen.append(req)
+
+    def _track(self, job: object) -> None:
+        pass
+
+
+class _ClientTransport:
+    def __init__(self) -> None:
+        self.out = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    bodies=st.lists(st.tuples(st.binary(max_size=120), st.booleans()), min_size=1, max_size=4),
+    sizes=st.lists(st.integers(1, 40), max_size=6),
+    cuts=st.lists(st.integers(0, 2000), max_size=12),
+)
+def test_pipelined_requests_are_parsed_the_same_under_any_read_split(bodies, sizes, cuts):
+    """Content-Length and chunked requests back to back, cut into reads anywhere: each is handed over once,
+    in order, with its exact body, and the budget for bodies being received ends at zero."""
+    from clawpipe.proxy.conn import ClientConn
+
+    raw = b""
+    for body, chunked in bodies:
+        raw += b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        if chunked:
+            raw += b"transfer-encoding: chunked\r\n\r\n" + _chunked(body, sizes)
+        else:
+            raw += b"content-length: %d\r\n\r\n" % len(body) + body
+    proxy = _Proxy()
+    conn = ClientConn(proxy)  # type: ignore[arg-type]
+    transport = _ClientTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    prev = 0
+    for cut in [*sorted(c for c in cuts if c < len(raw)), len(raw)]:
+        if cut > prev:
+            conn.data_received(raw[prev:cut])
+        prev = cut
+        while conn.busy:
+            conn.finish(True)
+    assert [r.body for r in proxy.seen] == [b for b, _ in bodies]  # type: ignore[attr-defined]
+    assert transport.out == b"" and not transport.closed and not conn.buf
+    assert proxy.body_budget.used == 0
