@@ -82,6 +82,10 @@ class LakeFS:
     def full(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root
 
+    def file_url(self, rel: str) -> str:
+        """What DuckDB reads for the file at ``rel``: its path, or its URL on a remote lake."""
+        return self.full(rel) if self.is_local else f"{self.url}/{rel}"
+
     def local_path(self, rel: str = "") -> Path:
         if not self.is_local:
             raise LakeError(f"{self.url} is not a local lake")
@@ -219,13 +223,19 @@ def table_glob(lake_root: str | os.PathLike[str], table: str) -> str:
 
 
 def connect(
-    lake_root: str | os.PathLike[str] | LakeFS, *, tables: tuple[str, ...] | None = None
+    lake_root: str | os.PathLike[str] | LakeFS,
+    *,
+    tables: tuple[str, ...] | None = None,
+    files: dict[str, list[str]] | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per lake table (sql/views/<table>.sql).
 
     The lake root is passed to the view definitions as the DuckDB variable ``lake_root``; remote
     (fsspec) lakes get their filesystem registered with DuckDB. Views over tables without files are
     empty and typed. Other files in sql/views (derived views) are created after the table views.
+
+    ``files`` (from :func:`table_files`) pins each table view to those Parquet files instead of a glob
+    that DuckDB expands at every query: the connection then needs access to those files and no others.
     """
     lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)
     con = duckdb.connect()
@@ -234,7 +244,9 @@ def connect(
     con.execute("set variable lake_root = ?", [lake.url])
     names = tables or tuple(TABLES)
     for name in names:
-        if lake.has_parquet(name):
+        if files is not None and files.get(name):
+            _pinned_view(con, name, files[name])
+        elif files is None and lake.has_parquet(name):
             con.execute(sqlfiles.sql_text(f"views/{name}"))
         else:
             con.register(f"_{name}_empty", TABLES[name].empty_table())
@@ -244,6 +256,21 @@ def connect(
             if extra not in TABLES:
                 con.execute(sqlfiles.sql_text(f"views/{extra}"))
     return con
+
+
+def table_files(lake: LakeFS) -> dict[str, list[str]]:
+    """The Parquet files of every table now, as DuckDB names them (what its sql/views glob would match)."""
+    return {name: [lake.file_url(f) for f in lake.list_files(name, suffix=".parquet")] for name in TABLES}
+
+
+def _pinned_view(con: duckdb.DuckDBPyConnection, name: str, files: list[str]) -> None:
+    """The table's view over exactly ``files``, with the options its sql/views file gives its glob."""
+    con.execute(f"set variable pinned_files_{name} = ?", [files])
+    hive = "hive_partitioning = true, hive_types = {'run_id': 'VARCHAR', 'iteration': 'INTEGER'}, "
+    con.execute(
+        f"create or replace view {name} as select * from read_parquet("
+        f"getvariable('pinned_files_{name}'), {hive if name in PARTITIONED else ''}union_by_name = true)"
+    )
 
 
 def partition_dir(lake_root: str | os.PathLike[str], table: str, run_id: str, iteration: int) -> Path:

@@ -1,8 +1,11 @@
 """Read-only SQL over the lake: ad hoc queries, saved queries (sql/analytics) and audits (sql/audits).
 
-Safety is two locks: only SELECT-like statements run (DuckDB's own parser says what a statement is),
-and the connection may read files under the lake root only (``allowed_directories`` +
-``enable_external_access = false``, then the configuration is locked).
+Read-only by construction, in two locks. The statement: exactly one, and DuckDB's own parser must call it
+a SELECT (no EXPLAIN, whose ANALYZE form executes its statement; no COPY, ATTACH, INSTALL, LOAD,
+PRAGMA, SET, CALL or DDL). The connection: its views read a fixed list of the lake's Parquet files, those
+files are the only paths it may open (``allowed_paths`` with ``enable_external_access = false``: no
+other file, no directory listing, no writing anywhere, since DuckDB writes through a temporary name),
+extensions are neither loaded nor installed, and the configuration is locked.
 """
 
 from __future__ import annotations
@@ -19,34 +22,46 @@ from clawpipe import sqlfiles, tables
 from clawpipe.errors import LakeError
 
 _RETRIES = 3
-_READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 _PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 _COMMENT = re.compile(r"--[^\n]*")
 _STRING = re.compile(r"'(?:[^']|'')*'")
+_LOCKS = (
+    "set enable_external_access = false",  # file access only to allowed_paths; no extension loading
+    "set autoload_known_extensions = false",
+    "set autoinstall_known_extensions = false",
+    "set allow_community_extensions = false",
+    "set lock_configuration = true",  # last: nothing above can be undone by a statement
+)
 
 
 def connect_read_only(lake_root: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
-    """A connection with the lake's views that can read nothing but the lake and change nothing."""
+    """A connection with the lake's views that can read nothing but the lake's Parquet files and write nothing."""
     lake = tables.LakeFS(lake_root)
-    con = tables.connect(lake)
-    allowed = [lake.url]
-    if not lake.is_local:  # fsspec globs come back as scheme:///path as well as scheme://path
-        allowed += [f"{lake.scheme}://{lake.root}", f"{lake.scheme}:///{lake.root.lstrip('/')}"]
-    con.execute("set allowed_directories = ?", [sorted(set(allowed))])
-    con.execute("set enable_external_access = false")
-    con.execute("set lock_configuration = true")
+    files = tables.table_files(lake)
+    con = tables.connect(lake, files=files)
+    allowed = {f for fs in files.values() for f in fs}
+    if not lake.is_local:  # DuckDB names fsspec files scheme:///path as well as scheme://path
+        allowed |= {f"{lake.scheme}:///{f.split('://', 1)[1].lstrip('/')}" for f in allowed}
+    con.execute("set allowed_paths = ?", [sorted(allowed)])
+    for lock in _LOCKS:
+        con.execute(lock)
     return con
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
+    """Refuse anything but exactly one SELECT, as DuckDB's parser classifies it."""
     try:
         statements = con.extract_statements(query)
     except duckdb.Error as exc:
-        raise LakeError(str(exc)) from exc
+        raise LakeError(str(exc).strip()) from exc
     if len(statements) != 1:
         raise LakeError(f"give exactly one statement (got {len(statements)})")
     kind = statements[0].type
-    if kind not in _READ_ONLY:
+    if kind == duckdb.StatementType.EXPLAIN:
+        raise LakeError(
+            "the lake is read-only here: EXPLAIN is refused (EXPLAIN ANALYZE runs its statement); use SELECT"
+        )
+    if kind != duckdb.StatementType.SELECT:
         raise LakeError(f"the lake is read-only here: {kind.name} statements are refused; use SELECT")
 
 
@@ -64,6 +79,8 @@ def run_sql(lake_root: str | os.PathLike[str], query: str, params: dict[str, Any
             if attempt == _RETRIES:
                 raise LakeError(str(exc).strip()) from exc
             time.sleep(0.05 * (attempt + 1))
+        except duckdb.PermissionException as exc:
+            raise LakeError(f"{str(exc).strip()}; clawpipe sql reads the lake's tables and nothing else") from exc
         except duckdb.Error as exc:
             raise LakeError(str(exc).strip()) from exc
         finally:
