@@ -7,8 +7,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from clawpipe import schemas, tables
+from clawpipe.lake import run_audits
 from clawpipe.sqlfiles import sql_text
-from clawpipe.trees.reconstruct import plan_batches
+from clawpipe.trees.reconstruct import build_iteration, plan_batches
 from tests.trees.fixtures import call, write_lake
 
 
@@ -46,3 +47,47 @@ def test_calls_sql_joins_latest_attempt_orders_and_filters_groups(tmp_path: Path
     ]
     assert plan_batches(groups, 6) == [["g1"], ["rc"]] and plan_batches(groups, 100) == [["g1", "rc"]]
     assert con.sql(sql_text("trees/iterations"), params={"run_id": "R"}).fetchall() == [(0,)]
+
+
+def _label_lake(lake: Path) -> None:
+    p = [1, 2, 3, 4, 5]
+    calls = [
+        call("a1", "ra", 0, p, [20, 21]),
+        call("b1", "rb", 0, p, [30], choice=0),
+        call("b1", "rb", 0, p, [20, 21], choice=1),  # n = 2
+        call("b2", "rb", 1, p, [40]),  # a real retry
+        call("c1", "rc", 0, p, [20, 22, 23, 24]),
+        call("c2", "rc", 1, [*p, 20, 22, 99, 8], [25]),  # c1's reply came back re-encoded
+    ]
+    rolls = [
+        {"rollout_id": r, "group_id": "g", "reward": 1.0, "sample_idx": i} for i, r in enumerate(("ra", "rb", "rc"))
+    ]
+    write_lake(lake, "R", 0, calls, rolls)
+    build_iteration(lake, "R", 0)
+
+
+def test_label_audit_passes_on_built_trees_and_returns_labels_outside_their_rollout(tmp_path: Path) -> None:
+    _label_lake(tmp_path)
+    con = tables.connect(tmp_path)
+    labels = con.sql("select tree_id, branch_cause, count(*) from tree_nodes group by all order by all").fetchall()
+    assert ("group:g", "retry", 1) in labels and ("rollout:rb", "choice", 1) in labels
+    assert ("group:g", "drift", 1) in labels and ("rollout:rc", "drift", 1) in labels
+    assert run_audits(tmp_path)["tree_labels_outside_their_rollout"].num_rows == 0
+
+    # labels as a builder that orders branches across rollouts would give them
+    nodes = con.sql("select * from tree_nodes order by tree_id, node_id").to_arrow_table().to_pylist()
+    for n in nodes:
+        if n["tree_id"] == "group:g" and n["token_ids"][:1] == [30]:
+            n["branch_cause"] = "retry"  # rb's first call: no earlier call of rb went elsewhere
+        if n["tree_id"] == "rollout:rb" and n["branch_cause"] == "choice":
+            n["branch_cause"], n["choice_index"] = "choice", 0  # names the choice that is the main line
+        if n["tree_id"] == "group:g" and n["branch_cause"] == "drift":
+            n["drift_call_id"] = "a1"  # another rollout's call
+    tables.replace_partition(tmp_path, "tree_nodes", "R", 0, pa.Table.from_pylist(nodes, schemas.TREE_NODES))
+    bad = run_audits(tmp_path)["tree_labels_outside_their_rollout"].to_pylist()
+    got = sorted((b["tree_id"], b["branch_cause"], b["call_id"], b["drift_call_id"]) for b in bad)
+    assert got == [
+        ("group:g", "drift", "c2", "a1"),
+        ("group:g", "retry", "b1", None),
+        ("rollout:rb", "choice", "b1", None),
+    ]
