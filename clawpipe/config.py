@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     lake_uri: str | None = Field(
         default=None, description="Lake root: a local path or a pyarrow/fsspec URL; default <home>/lake."
     )
+    sandbox_ro_roots: str = Field(
+        default="",
+        description="Host folders (separated by ':') under which a harness manifest's sandbox.ro_paths may bind, "
+        "besides the repository holding its harnesses/ folder; never the home or one of its parents.",
+    )
     unsafe_process_checks: bool = Field(
         default=False,
         description="Let the process backend (no isolation) run the checks of task sets whose verifier executes "

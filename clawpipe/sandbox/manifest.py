@@ -231,8 +231,43 @@ def _parse_sandbox(path: Path, table: Any) -> tuple[Path, ...]:
         p = Path(os.path.normpath(p))
         if p == Path("/") or ".." in Path(x).parts:
             raise _fail(path, f"`sandbox.ro_paths` entry {x!r} must name a specific folder, not / or a parent")
+        _check_ro_path(path, x, p, root)
         out.append(p)
     return tuple(out)
+
+
+def ro_roots(repository: Path) -> list[Path]:
+    """Where ro_paths may point: the repository holding the harnesses/ folder (unless it is /) and the folders
+    in CLAWPIPE_SANDBOX_RO_ROOTS."""
+    from clawpipe.config import get_settings
+
+    roots = [repository.resolve()] if repository.resolve() != Path("/") else []
+    for entry in get_settings().sandbox_ro_roots.split(":"):
+        if entry.strip():
+            roots.append(Path(entry.strip()).expanduser().resolve())
+    return roots
+
+
+def _check_ro_path(manifest: Path, entry: str, p: Path, repository: Path) -> None:
+    """An ro_path (symlinks resolved, as bwrap binds them) must lie under an allowed root and must not expose the
+    clawpipe home: not the home, nothing inside it, none of its parents."""
+    from clawpipe.config import get_settings
+
+    real = p.resolve()
+    home = get_settings().root
+    if real == home or home in real.parents or real in home.parents:
+        raise _fail(
+            manifest,
+            f"`sandbox.ro_paths` entry {entry!r} ({real}) would expose the clawpipe home {home} (captures, lake, "
+            "kept work dirs); ro_paths may not be the home, inside it, or one of its parents",
+        )
+    roots = ro_roots(repository)
+    if not any(real == r or r in real.parents for r in roots):
+        raise _fail(
+            manifest,
+            f"`sandbox.ro_paths` entry {entry!r} ({real}) is outside the allowed roots {[str(r) for r in roots]}; "
+            "put it under the repository or add its folder to CLAWPIPE_SANDBOX_RO_ROOTS (':'-separated)",
+        )
 
 
 def _parse_env(path: Path, env: Any) -> dict[str, str]:

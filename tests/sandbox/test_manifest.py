@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,12 +107,54 @@ def test_task_validation_and_files(tmp_path: Path) -> None:
         load_task_file(arr)
 
 
-def test_sandbox_ro_paths_resolve_against_the_repository_root(tmp_path: Path) -> None:
+def test_sandbox_ro_paths_resolve_against_the_repository_root(tmp_path: Path, home: Path) -> None:
     harnesses = tmp_path / "harnesses"
     harnesses.mkdir()
-    write(harnesses, 'name = "demo"\ncommand = ["x"]\n[sandbox]\nro_paths = [".node", "/opt/tool"]\n')
+    write(harnesses, 'name = "demo"\ncommand = ["x"]\n[sandbox]\nro_paths = [".node", "' + str(tmp_path) + '/tools"]\n')
     m = load_manifest(harnesses / "demo")
-    assert m.ro_paths == (tmp_path / ".node", Path("/opt/tool"))
+    assert m.ro_paths == (tmp_path / ".node", tmp_path / "tools")
     write(harnesses, 'name = "demo"\ncommand = ["x"]\n[sandbox]\nro_paths = ["/"]\n')
     with pytest.raises(ManifestError, match="must name a specific folder"):
         load_manifest(harnesses / "demo")
+
+
+def _ro(harnesses: Path, entry: str) -> Any:
+    write(harnesses, f'name = "demo"\ncommand = ["x"]\n[sandbox]\nro_paths = ["{entry}"]\n')
+    return load_manifest(harnesses / "demo")
+
+
+def test_ro_paths_only_under_the_repository_or_the_operator_allow_list(
+    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clawpipe import config
+
+    harnesses = tmp_path / "harnesses"
+    harnesses.mkdir()
+    with pytest.raises(
+        ManifestError, match=r"'/opt/tool' \(/opt/tool\) is outside the allowed roots \['" + str(tmp_path)
+    ):
+        _ro(harnesses, "/opt/tool")
+    (tmp_path / "etc-link").symlink_to("/etc")  # under the repository, but bwrap would bind /etc
+    with pytest.raises(ManifestError, match=r"'etc-link' \(/etc\) is outside the allowed roots"):
+        _ro(harnesses, "etc-link")
+    monkeypatch.setenv("CLAWPIPE_SANDBOX_RO_ROOTS", "/opt:/srv/tools")
+    config.get_settings.cache_clear()
+    assert _ro(harnesses, "/opt/tool").ro_paths == (Path("/opt/tool"),)
+    assert _ro(harnesses, "/srv/tools/node").ro_paths == (Path("/srv/tools/node"),)
+    with pytest.raises(ManifestError, match="CLAWPIPE_SANDBOX_RO_ROOTS"):
+        _ro(harnesses, "/usr/local")
+
+
+@pytest.mark.parametrize("where", ["home", "inside", "parent", "grandparent"])
+def test_ro_paths_never_expose_the_clawpipe_home(
+    where: str, tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clawpipe import config
+
+    monkeypatch.setenv("CLAWPIPE_SANDBOX_RO_ROOTS", "/")  # even an operator who allows everything
+    config.get_settings.cache_clear()
+    harnesses = tmp_path / "harnesses"
+    harnesses.mkdir()
+    entry = {"home": home, "inside": home / "captures", "parent": home.parent, "grandparent": home.parent.parent}
+    with pytest.raises(ManifestError, match=r"would expose the clawpipe home .*not be the home, inside it, or one"):
+        _ro(harnesses, str(entry[where]))
