@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clawpipe.sandbox.backends.base import get_backend
+from clawpipe.sandbox.verify import verify_rollout
 from clawpipe.tasks import get_task_set
 from tests.support.upstream import ScriptedUpstream
 
@@ -71,6 +73,7 @@ def run_harness(name: str, task: dict[str, Any], upstream: ScriptedUpstream, tmp
     before = len(upstream.requests)
     env = harness_env(upstream, task_file, workdir, spec.get("env", {}))
     proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=spec["timeout_s"])
-    reward, info = task_set.verify(task, workdir)
+    # the same verification the runner does: a task set that runs work-dir code is checked in a fresh sandbox
+    reward, info = verify_rollout(task_set, task, workdir, get_backend("bwrap"))
     seen = [r for r in upstream.requests[before:] if r.method == "POST"]
     return Run(proc, workdir, reward, info, [r.json() for r in seen], [r.path for r in seen])

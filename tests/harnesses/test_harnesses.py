@@ -209,6 +209,7 @@ def test_calc_garbage_tool_calls_end_cleanly(name: str, calc_task: dict[str, Any
 # --- fixit -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.sandbox
 def test_tool_agent_fixes_a_file_and_the_check_passes(tmp_path: Path) -> None:
     task = next(t for t in get_task_set("fixit").generate(20, seed=0) if t["data"]["template"] == "add")
     fixed = f"def {task['data']['function']}(a, b):\n    return a + b\n"
@@ -226,6 +227,7 @@ def test_tool_agent_fixes_a_file_and_the_check_passes(tmp_path: Path) -> None:
     assert run.reward == 1.0
 
 
+@pytest.mark.sandbox
 def test_tool_agent_cannot_write_outside_the_work_dir(tmp_path: Path) -> None:
     task = get_task_set("fixit").generate(1, seed=0)[0]
     with ScriptedUpstream([tool_call("write_file", {"path": "../escape.py", "content": "x"}), say("done")]) as up:
