@@ -14,10 +14,8 @@
 --   3. the lineage with the longest sequence (the agent's prompt carries its tools), then the one holding
 --      the latest call.
 -- Every call in the other lineages of the fork is a side call. Nodes are numbered in preorder, so the
--- subtree of node n is [n, first later node with depth <= depth(n)). A call sits at its first generated
--- node; a call that generated no node of its own (an identical sample of an earlier call with the same
--- prompt) sits where the calls with its prompt do: a 'subagent' node is context, inside every prompt
--- passing through it.
+-- subtree of node n is [n, first later node with depth <= depth(n)). A call sits where its path ends (the
+-- trees room's tree_sequences), so an identical sample of another call sits where that call does.
 with runs as (
     select
         rollout_id,
@@ -79,40 +77,27 @@ lineages as (
 ),
 
 calls as (
+    -- each call x choice of the listed rollouts where its path ends in its rollout tree (tree_sequences)
     select
-        model_calls.call_id,
-        model_calls.choice_index,
-        model_calls.rollout_id,
-        model_calls.prompt_token_ids,
-        len(model_calls.prompt_token_ids) + len(model_calls.completion_token_ids) as n_tokens,
+        tree_sequences.call_id,
+        tree_sequences.choice_index,
+        tree_sequences.rollout_id,
+        tree_sequences.node_id,
+        tree_sequences.n_prompt + tree_sequences.n_generated as n_tokens,
         row_number() over (
-            partition by model_calls.rollout_id
-            order by model_calls.seq nulls last, model_calls.t_start nulls last, model_calls.call_id,
-                model_calls.choice_index
+            partition by tree_sequences.rollout_id
+            order by model_calls.seq nulls last, model_calls.t_start nulls last, tree_sequences.call_id,
+                tree_sequences.choice_index
         ) as call_rank
-    from model_calls
-    inner join listed on model_calls.rollout_id = listed.rollout_id
-    where model_calls.run_id = $run_id and model_calls.iteration = $iteration
-),
-
-owned as (
-    select
-        call_id,
-        choice_index,
-        min(node_id) as node_id
-    from nodes
-    where generated and call_id is not null
-    group by call_id, choice_index
-),
-
-placed as (
-    select
-        calls.*,
-        coalesce(
-            owned.node_id, min(owned.node_id) over (partition by calls.rollout_id, calls.prompt_token_ids)
-        ) as node_id
-    from calls
-    left join owned on calls.call_id = owned.call_id and calls.choice_index = owned.choice_index
+    from tree_sequences
+    inner join listed on tree_sequences.tree_id = listed.tree_id
+    left join model_calls
+        on
+            tree_sequences.call_id = model_calls.call_id
+            and tree_sequences.choice_index = model_calls.choice_index
+            and model_calls.run_id = $run_id
+            and model_calls.iteration = $iteration
+    where tree_sequences.run_id = $run_id and tree_sequences.iteration = $iteration and tree_sequences.scope = 'rollout'
 ),
 
 members as (
@@ -120,16 +105,16 @@ members as (
         lineages.tree_id,
         lineages.fork,
         lineages.node_id as lineage,
-        placed.call_id,
-        placed.choice_index,
-        placed.call_rank,
-        placed.n_tokens
+        calls.call_id,
+        calls.choice_index,
+        calls.call_rank,
+        calls.n_tokens
     from lineages
-    inner join placed
+    inner join calls
         on
-            lineages.rollout_id = placed.rollout_id
-            and placed.node_id >= lineages.node_id
-            and placed.node_id < lineages.node_end
+            lineages.rollout_id = calls.rollout_id
+            and calls.node_id >= lineages.node_id
+            and calls.node_id < lineages.node_end
 ),
 
 scored as (
