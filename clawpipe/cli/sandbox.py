@@ -38,6 +38,12 @@ def register(app: typer.Typer) -> None:
         harness_dir: list[Path] = typer.Option([], "--harness-dir", help="Extra folder holding <name>/harness.toml."),
         keep_workdirs: bool = typer.Option(False, "--keep-workdirs", help="Keep each rollout's work dir."),
         max_attempts: int = typer.Option(3, "--max-attempts", help="Tries per rollout for infra errors only."),
+        env: list[str] = typer.Option(
+            [],
+            "--env",
+            "-e",
+            help="KEY=VALUE set over the manifest's [env] for this run (repeatable), e.g. CLAWPIPE_CLI_MODE=full.",
+        ),
     ) -> None:
         """Run a harness on tasks in sandboxes against the proxy; one result row per rollout."""
         import datetime as dt
@@ -53,6 +59,8 @@ def register(app: typer.Typer) -> None:
 
         dirs = [*harness_dir, *default_harness_dirs()]
         manifest = find_harness(harness, dirs)
+        if env:
+            manifest = manifest.with_env(env_pairs(env))
         task_sets: dict[str, object] = {}
         if task_file is not None:
             instances = load_task_file(task_file)
@@ -126,6 +134,19 @@ def register(app: typer.Typer) -> None:
         )
         if any(r.status == "infra_error" for r in out):
             raise typer.Exit(1)
+
+
+def env_pairs(pairs: list[str]) -> dict[str, str]:
+    """``--env KEY=VALUE`` options as a table (the value may hold '='; a later KEY wins)."""
+    from clawpipe.errors import ConfigError
+
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env {pair!r}: expected KEY=VALUE, e.g. --env CLAWPIPE_CLI_MODE=full")
+        out[key] = value
+    return out
 
 
 @harness_app.command("list")

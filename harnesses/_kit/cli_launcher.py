@@ -18,11 +18,16 @@ resolved against the harness dir). It:
    CLI's, 124 on timeout, 128+N on signal N. Started as a session leader (as the runner does), the CLI
    shares the launcher's session and process group, so the runner's group kill reaches it too.
 
-Strings in args, env and files may use ``${prompt}``, ``${model}``, ``${home}``, ``${workdir}``,
-``${output}``, ``${node_dir}``, ``${harness_dir}`` and any environment variable (``${OPENAI_BASE_URL}``);
-an args element ``${mode_args}`` marks where the selected mode's args go (else they are appended).
+Strings in args, env and files (and the keys of files' tables) may use ``${prompt}``, ``${model}``,
+``${home}``, ``${workdir}``, ``${output}``, ``${node_dir}``, ``${harness_dir}`` and any environment variable
+(``${OPENAI_BASE_URL}``); ``$$`` is a literal ``$``. An args element ``${mode_args}`` marks where the selected
+mode's args go (else they are appended). A mode's ``[files]`` table for a file the base ``[files]`` also
+writes is deep-merged into it. ``[env_values]`` lists the values an environment variable may take (checked
+before the CLI starts, exit 2 naming them).
 The Node folder is ``$CLAWPIPE_NODE_DIR``, else ``.node`` in the checkout that holds this file or the
-Python environment (scripts/install_cli_harnesses.sh installs it there).
+Python environment (scripts/install_cli_harnesses.sh installs it there). A CLI whose cli.toml names a
+``node`` version lives in ``<Node folder>/node-<version>`` with that Node (the npm package
+``node-linux-<arch>``) and runs on it; the others run on the system ``node`` (>= 20).
 """
 
 from __future__ import annotations
@@ -69,6 +74,30 @@ def find_node_dir(harness_dir: Path) -> Path:
     raise AssertionError
 
 
+def cli_node(node_dir: Path, version: str | None) -> tuple[Path, Path | None]:
+    """The folder holding this CLI's node_modules and the node binary to run it with (None: the system node).
+
+    A CLI pinned to a Node version lives beside that Node in ``<node_dir>/node-<version>``
+    (scripts/install_cli_harnesses.sh installs both there)."""
+    if version is None:
+        return node_dir, None
+    prefix = node_dir / f"node-{version}"
+    for node in sorted(prefix.glob("node_modules/node-linux-*/bin/node")):
+        return prefix, node
+    fail(
+        f"Node {version} is not installed under {prefix}: run `bash scripts/install_cli_harnesses.sh` "
+        "(it installs the npm package node-linux-<arch> there)"
+    )
+    raise AssertionError
+
+
+def check_env_values(allowed: dict[str, Any], env: dict[str, str]) -> None:
+    """cli.toml's [env_values]: each listed variable must hold one of its values."""
+    for name, values in allowed.items():
+        if env.get(name) not in values:
+            fail(f"{name}={env.get(name)!r} is not one of {list(values)} (set it in [env] or per run)")
+
+
 def read_prompt() -> str:
     task_path = os.environ.get("CLAWPIPE_TASK")
     if not task_path:
@@ -94,14 +123,22 @@ def build_home(workdir: Path) -> Path:
 
 
 def expand(value: Any, values: dict[str, str]) -> Any:
-    """Substitute ${name} placeholders in strings, recursively in lists and tables."""
+    """Substitute ${name} placeholders in strings, recursively in lists and tables (keys too: a config file
+    may key a table by the model name)."""
     if isinstance(value, str):
         return string.Template(value).safe_substitute(values)
     if isinstance(value, list):
         return [expand(v, values) for v in value]
     if isinstance(value, dict):
-        return {k: expand(v, values) for k, v in value.items()}
+        return {expand(k, values): expand(v, values) for k, v in value.items()}
     return value
+
+
+def merge(base: Any, over: Any) -> Any:
+    """``over`` deep-merged into ``base``: tables merge key by key, anything else is replaced."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{k: merge(base[k], v) if k in base else v for k, v in over.items()}}
+    return over
 
 
 def write_files(home: Path, files: dict[str, Any], values: dict[str, str]) -> None:
@@ -184,6 +221,7 @@ def main(harness_dir: str | Path) -> int:
     output.mkdir(parents=True, exist_ok=True)
     home = build_home(workdir)
     node_dir = find_node_dir(harness_dir)
+    cli_dir, pinned_node = cli_node(node_dir, cli.get("node"))
     model = os.environ.get("CLAWPIPE_MODEL") or os.environ.get("OPENAI_MODEL") or os.environ.get("ANTHROPIC_MODEL")
     if not model:
         fail("CLAWPIPE_MODEL is not set (the served model name)")
@@ -199,24 +237,30 @@ def main(harness_dir: str | Path) -> int:
         "home": str(home),
         "workdir": str(workdir),
         "output": str(output),
-        "node_dir": str(node_dir),
+        "node_dir": str(cli_dir),
         "harness_dir": str(harness_dir),
     }
     env = dict(os.environ)
     env.update(HOME=str(home), TMPDIR=str(home / "tmp"))
+    if pinned_node:  # the CLI's own child processes that run `node` get its Node too
+        env["PATH"] = f"{pinned_node.parent}:{env.get('PATH', '')}"
     for key, value in manifest.get("env", {}).items():  # declared defaults; the runner's values win
         env.setdefault(key, str(expand(value, values)))
     for table in (cli.get("env", {}), modes[mode].get("env", {})):  # derived settings, always set
         env.update({key: str(expand(value, values)) for key, value in table.items()})
     values.update(env)
-    write_files(home, {**cli.get("files", {}), **modes[mode].get("files", {})}, values)
+    check_env_values(cli.get("env_values", {}), env)
+    files = dict(cli.get("files", {}))
+    for rel, content in modes[mode].get("files", {}).items():
+        files[rel] = merge(files[rel], content) if rel in files else content
+    write_files(home, files, values)
 
-    entry = node_dir / "node_modules" / cli["entry"]
+    entry = cli_dir / "node_modules" / cli["entry"]
     if not entry.exists():
         fail(f"{entry} is missing: run `bash scripts/install_cli_harnesses.sh`")
     argv = [str(entry)]
     if entry.suffix in (".js", ".mjs", ".cjs"):
-        node = shutil.which("node", path=env.get("PATH")) or "/usr/bin/node"
+        node = str(pinned_node) if pinned_node else shutil.which("node", path=env.get("PATH")) or "/usr/bin/node"
         argv = [node, str(entry)]
     mode_args = expand(list(modes[mode].get("args", [])), values)
     args = expand(list(cli.get("args", [])), values)

@@ -1,6 +1,6 @@
 """Measure each real CLI harness against the scripted upstream: time per rollout, calls, request sizes, memory.
 
-Run: .venv/bin/python -m tests.cli_harnesses.measure [--runs 3]   (after scripts/install_cli_harnesses.sh)
+Run: .venv/bin/python -m tests.cli_harnesses.measure [--runs 3] [VARIANT ...]   (after the install script)
 
 Each rollout is the two-call script of the tests (a shell tool call, then text), run through launch.py as a
 plain subprocess. Peak memory is the largest sum of RSS over the launcher's process tree, sampled every
@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 
 from tests.cli_harnesses.scripted_upstream import ScriptedUpstream
-from tests.cli_harnesses.support import HARNESSES, REPO, harness_env, write_task
+from tests.cli_harnesses.support import REPO, VARIANTS, harness_env, write_task
 
 
 def tree_rss(proc: psutil.Process) -> int:
@@ -36,11 +36,13 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def run_once(harness: str, mode: str) -> dict[str, Any]:
+def run_once(variant: str, mode: str) -> dict[str, Any]:
+    harness, _, extra = VARIANTS[variant]
     with tempfile.TemporaryDirectory(prefix="cp-measure-") as tmp, ScriptedUpstream(model="tiny") as up:
         workdir = Path(tmp) / "work"
         workdir.mkdir()
-        env = harness_env(up.url, workdir, write_task(Path(tmp) / "task.json"), extra={"CLAWPIPE_CLI_MODE": mode})
+        task = write_task(Path(tmp) / "task.json")
+        env = harness_env(up.url, workdir, task, extra={"CLAWPIPE_CLI_MODE": mode, **extra})
         t0 = time.monotonic()
         popen = subprocess.Popen(
             [sys.executable, str(REPO / "harnesses" / harness / "launch.py")],
@@ -79,16 +81,17 @@ def run_once(harness: str, mode: str) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("variants", nargs="*", help=f"default: all of {list(VARIANTS)}")
     args = parser.parse_args()
     figures: dict[str, Any] = {}
-    for harness in HARNESSES:
+    for harness in args.variants or VARIANTS:
         for mode in ("minimal", "full"):
             runs = [run_once(harness, mode) for _ in range(args.runs)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "exit"}
             med["failures"] = sum(r["exit"] != 0 for r in runs)
             figures[f"{harness}/{mode}"] = med
             print(
-                f"{harness:12s} {mode:8s} {med['seconds']:5.2f} s/rollout  {med['calls']:.0f} calls  "
+                f"{harness:18s} {mode:8s} {med['seconds']:5.2f} s/rollout  {med['calls']:.0f} calls  "
                 f"first {med['first_request_bytes'] / 1024:5.1f} KB  last {med['last_request_bytes'] / 1024:5.1f} KB  "
                 f"peak {med['peak_rss_mb']:5.0f} MB  failures {med['failures']}"
             )

@@ -4,7 +4,8 @@ It answers the four APIs the harnesses speak (/v1/chat/completions, /v1/completi
 /v1/messages; streamed or not; any path prefix such as /r/<key> before /v1) with a fixed two-step script:
 
 - a request that offers a shell tool and carries no tool result yet gets a call of that tool with
-  ``command`` (the CLI then runs it);
+  ``command`` (the CLI then runs it). The shell tool is found by its schema, not its name (see
+  :func:`find_shell_tool`), so any CLI's shell tool is called;
 - every other request (the follow-up with the tool's output, titles, side calls) gets the text ``reply``.
 
 Each answer carries token ids in the shape of CONTRACTS A (``prompt_token_ids``, ``token_ids``,
@@ -26,14 +27,68 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-# Shell tools of the three CLIs (and common names), with the argument key that holds the command.
-SHELL_TOOLS = {
-    "Bash": "command",  # Claude Code
-    "run_shell_command": "command",  # Qwen Code
-    "exec_command": "cmd",  # Codex (unified exec)
-    "shell": "command",  # Codex (classic shell tool; command is an argv list)
-    "shell_command": "command",  # Codex (string form)
-}
+# Argument names that hold a shell command, and words that mark a tool as a shell in its name or description.
+COMMAND_KEYS = ("command", "cmd", "script", "commands")
+SHELL_WORDS = ("shell", "bash", "terminal", "exec", "command")
+
+
+@dataclass(frozen=True)
+class ShellTool:
+    """A tool found to run shell commands: its name, the argument that takes the command, and whether that
+    argument is an argv list (``["bash", "-lc", CMD]``) rather than a string."""
+
+    name: str
+    key: str
+    argv: bool
+    properties: tuple[str, ...]
+
+
+def _tool_schema(tool: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """(name, description, JSON schema of the arguments) of a tool of any of the three APIs."""
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat nests under "function"
+    schema = fn.get("parameters") or fn.get("input_schema") or {}  # chat/responses vs messages
+    return str(fn.get("name") or ""), str(fn.get("description") or ""), schema if isinstance(schema, dict) else {}
+
+
+def _command_key(schema: dict[str, Any]) -> tuple[str, bool] | None:
+    """The property that takes the command, and whether it is an argv list; None when there is none."""
+    props = schema.get("properties") or {}
+    required = schema.get("required") or []
+    for key in COMMAND_KEYS:
+        prop = props.get(key)
+        if not isinstance(prop, dict) or key not in required:
+            continue
+        kind = prop.get("type")
+        if kind == "string":
+            return key, False
+        if kind == "array" and (prop.get("items") or {}).get("type") == "string":
+            return key, True
+    return None
+
+
+def find_shell_tool(tools: list[Any]) -> ShellTool | None:
+    """The shell-like tool among ``tools`` (any API's tool list), found by schema alone.
+
+    A candidate takes a REQUIRED command argument (``command``/``cmd``/``script``/``commands``) as a string or
+    a list of strings. Among candidates the one whose name or description speaks of a shell
+    (:data:`SHELL_WORDS`) wins, then the one with the fewest required arguments (a plain shell over a
+    tool that needs more); ties keep the list's order. Tools that are not functions (hosted, namespaces)
+    are ignored."""
+    best: tuple[int, int, int] | None = None
+    found: ShellTool | None = None
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "function", "custom"):
+            continue
+        name, description, schema = _tool_schema(tool)
+        hit = _command_key(schema)
+        if not name or hit is None:
+            continue
+        text = f"{name} {description}".lower()
+        rank = (0 if any(w in text for w in SHELL_WORDS) else 1, len(schema.get("required") or []), i)
+        if best is None or rank < best:
+            best = rank
+            found = ShellTool(name, hit[0], hit[1], tuple(schema.get("properties") or {}))
+    return found
 
 
 @dataclass
@@ -127,16 +182,6 @@ def _loads_or_raw(text: Any) -> Any:
         except ValueError:
             return text
     return text
-
-
-def _tool_names(api: str, body: dict[str, Any]) -> list[str]:
-    names = []
-    for tool in body.get("tools") or []:
-        if api == "chat":
-            names.append(tool.get("function", {}).get("name", ""))
-        else:
-            names.append(tool.get("name", ""))
-    return names
 
 
 def _has_tool_result(api: str, body: dict[str, Any]) -> bool:
@@ -301,15 +346,14 @@ class ScriptedUpstream:
 
     def _answer(self, api: str, body: dict[str, Any]) -> dict[str, Any]:
         """Decide the scripted answer: a shell tool call or text, with its token ids."""
-        shell = next((n for n in _tool_names(api, body) if n in SHELL_TOOLS), None)
+        shell = find_shell_tool(body.get("tools") or [])
         prompt_ids = render_tokens(render_conversation(api, body))
         if self.use_tools and shell is not None and not _has_tool_result(api, body):
-            key = SHELL_TOOLS[shell]
-            args: dict[str, Any] = {key: ["bash", "-lc", self.command] if shell == "shell" else self.command}
-            if shell == "Bash":
+            args: dict[str, Any] = {shell.key: ["bash", "-lc", self.command] if shell.argv else self.command}
+            if "description" in shell.properties:  # Claude Code's Bash asks for one
                 args["description"] = "Run the scripted command"
-            answer = {"kind": "tool", "name": shell, "args": args, "call_id": "call_" + uuid.uuid4().hex[:12]}
-            rendered = f"<tool_call>{shell}:{_canon(args)}</tool_call>"
+            answer = {"kind": "tool", "name": shell.name, "args": args, "call_id": "call_" + uuid.uuid4().hex[:12]}
+            rendered = f"<tool_call>{shell.name}:{_canon(args)}</tool_call>"
         else:
             answer = {"kind": "text", "text": self.reply}
             rendered = self.reply

@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-HARNESSES = ("claude-code", "codex", "qwen-code")
+HARNESSES = ("claude-code", "codex", "qwen-code", "openclaw")
+# Each CLI as the tests run it: variant name -> (harness, the API it speaks, extra environment). OpenClaw
+# speaks three APIs, picked by CLAWPIPE_OPENCLAW_API; the others one each.
+VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "claude-code": ("claude-code", "messages", {}),
+    "codex": ("codex", "responses", {}),
+    "qwen-code": ("qwen-code", "chat", {}),
+    "openclaw-chat": ("openclaw", "chat", {"CLAWPIPE_OPENCLAW_API": "chat"}),
+    "openclaw-responses": ("openclaw", "responses", {"CLAWPIPE_OPENCLAW_API": "responses"}),
+    "openclaw-messages": ("openclaw", "messages", {"CLAWPIPE_OPENCLAW_API": "messages"}),
+}
 NODE_DIR = REPO / ".node"
 INSTALL_SCRIPT = REPO / "scripts" / "install_cli_harnesses.sh"
 PROMPT = "Create the file tool_ran.txt in the current directory with the shell, then say you are done."

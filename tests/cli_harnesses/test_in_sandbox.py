@@ -1,11 +1,13 @@
-"""The three real CLIs in bwrap sandboxes, through the capture proxy, in one concurrent rollout batch.
+"""The real CLIs in bwrap sandboxes, through the capture proxy, in concurrent rollout batches.
 
 Upstream: the scripted server (first call of a rollout: a shell tool call; follow-up: text; token ids in
 the CONTRACTS A shape). Checked per harness: the rollout succeeded with the verifier's reward (the tool ran
 INSIDE the sandbox and wrote into the work dir), exactly two calls were captured, both with upstream token
 ids, and the follow-up's prompt ids extend the first call's prompt + completion; landed into the lake and
-reconstructed, each rollout's tree is one lineage (the tool result as context). A hanging upstream ends
-every rollout as a timeout at the outer limit.
+reconstructed, each rollout's tree is one lineage (the tool result as context). OpenClaw runs over its
+three APIs at once in full mode: on Responses it appends (one lineage); on Chat Completions and Messages
+it moves its internal-context block after the tool result, and the tree shows that as one `rewrite` branch. A hanging
+upstream ends every rollout as a timeout at the outer limit.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from clawpipe.proxy import ProxyServer
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness
 from clawpipe.sandbox.runner import RolloutResult, RolloutSpec, run_rollouts
 from tests.cli_harnesses.scripted_upstream import ScriptedUpstream
-from tests.cli_harnesses.support import HARNESSES, REPO, Blackhole, conversation
+from tests.cli_harnesses.support import REPO, VARIANTS, Blackhole, conversation
 
 SECRET = b"cli-harness-test-secret"
 COMMAND = "echo sandboxed > tool_ran.txt; id -u; echo marker-$((6*7))"
-API = {"claude-code": "messages", "codex": "responses", "qwen-code": "chat"}
+ONE_API_CLIS = ("claude-code", "codex", "qwen-code")
+OPENCLAW = ("openclaw-chat", "openclaw-responses", "openclaw-messages")
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -48,33 +51,42 @@ class ToolRanTask:
         return float(ok), {"tool_ran": ok}
 
 
-def task_for(harness: str) -> dict[str, Any]:
+def task_for(variant: str) -> dict[str, Any]:
     return {
         "task_set": "fixit",
-        "task_id": f"cli-{harness}",
+        "task_id": f"cli-{variant}",
         "prompt": "Create the file tool_ran.txt in the current directory with the shell, then say you are done.",
         "data": {},
         "max_turns": 4,
     }
 
 
-def manifest_in_mode(harness: str, mode: str) -> HarnessManifest:
-    """The harness's manifest with CLAWPIPE_CLI_MODE set (how a pipeline picks a CLI's mode)."""
-    m = find_harness(harness, [REPO / "harnesses"])
-    return dataclasses.replace(m, env={**m.env, "CLAWPIPE_CLI_MODE": mode})
+def manifest_in_mode(variant: str, mode: str) -> HarnessManifest:
+    """The variant's manifest with CLAWPIPE_CLI_MODE (and OpenClaw's API) set, as a pipeline entry's env does."""
+    harness, _, extra = VARIANTS[variant]
+    return find_harness(harness, [REPO / "harnesses"]).with_env({"CLAWPIPE_CLI_MODE": mode, **extra})
 
 
-def run_batch(proxy_url: str, tmp: Path, *, mode: str = "full", timeout_s: float = 90) -> list[RolloutResult]:
+def run_batch(
+    proxy_url: str,
+    tmp: Path,
+    *,
+    mode: str = "full",
+    timeout_s: float = 90,
+    variants: tuple[str, ...] = ONE_API_CLIS,
+    batch: str = "cli",
+) -> list[RolloutResult]:
+    """One rollout per variant, all at once; the results in the order of ``variants``."""
     specs = [
-        RolloutSpec(run_id="clirun", iteration=0, harness=manifest_in_mode(h, mode), task=task_for(h), model="tiny")
-        for h in HARNESSES
+        RolloutSpec(run_id="clirun", iteration=0, harness=manifest_in_mode(v, mode), task=task_for(v), model="tiny")
+        for v in variants
     ]
     return run_rollouts(
         specs,
         proxy_url=proxy_url,
         backend="bwrap",
         concurrency=len(specs),
-        results_path=tmp / "captures" / "results" / "clirun" / "0" / "results-cli.jsonl",
+        results_path=tmp / "captures" / "results" / "clirun" / "0" / f"results-{batch}.jsonl",
         secret=SECRET,
         scratch_dir=tmp / "scratch",
         task_sets={"fixit": ToolRanTask()},
@@ -133,41 +145,51 @@ def land_and_build_trees(captures: Path, lake: Path, run_id: str) -> dict[str, d
     return {r["rollout_id"]: r for r in rows}
 
 
+def check_two_call_rollout(
+    variant: str, r: RolloutResult, recs: list[capture.CaptureRecord], *, extends: bool = True
+) -> None:
+    """A succeeded rollout with reward 1 whose two calls were captured with upstream ids; the follow-up
+    extends the first call (``extends``) or, after OpenClaw's rewrite, extends all of it but the moved block."""
+    api = VARIANTS[variant][1]
+    assert r.status == "succeeded", (variant, r.status, r.error, r.stderr_tail[-1500:])
+    assert r.exit_code == 0 and r.reward == 1.0, (variant, r.reward_info)
+    assert r.n_calls == 2, (variant, r.n_calls)
+    work = Path(r.workdir or "")
+    assert (work / "home").is_dir() and (work / "out").is_dir()
+    assert len(recs) == 2, variant
+    calls = []
+    for rec in recs:
+        h = rec.header
+        assert (h["api"], h["status"], h["stream"], h["token_source"]) == (api, "ok", True, "upstream"), h
+        assert h["request_changes"]["added"]["return_token_ids"] is True
+        calls.append(parse_response(api, True, rec.response, http_status=h["http_status"]))
+    first_req, second_req = (json.loads(rec.request) for rec in recs)
+    c1, c2 = conversation(api, first_req), conversation(api, second_req)
+    if not extends:  # the last message of the first call moved after the tool call and its result
+        assert c2[-1] == c1[-1] and len(c2) == len(c1) + 2, variant
+        c1, c2 = c1[:-1], c2[:-1]
+    assert c2[: len(c1)] == c1, f"{variant}: the follow-up extends the first request"
+    tool_ctx = json.dumps(c2[len(c1) :])
+    assert "marker-42" in tool_ctx and "65534" in tool_ctx, f"{variant}: ran inside the sandbox as nobody"
+    lineage = list(calls[0].prompt_token_ids or []) + list(calls[0].choices[0].token_ids or [])
+    second_prompt = list(calls[1].prompt_token_ids or [])
+    assert lineage and len(second_prompt) > len(lineage)
+    assert (second_prompt[: len(lineage)] == lineage) is extends, f"{variant}: ids extend (one lineage) or not"
+
+
 def test_each_cli_in_bwrap_through_the_proxy(tmp_path: Path, proxy_factory: Any, cli_installed: None) -> None:
     with ScriptedUpstream(model="tiny", command=COMMAND) as up:
         proxy = proxy_factory(up.url)
         results = run_batch(proxy.url, tmp_path)
         proxy.stop()
-    by_harness = {r.harness: r for r in results}
+    by_harness = dict(zip(ONE_API_CLIS, results, strict=True))
     captured = records_by_rollout(tmp_path / "captures")
-    for harness in HARNESSES:
+    for harness in ONE_API_CLIS:
         r = by_harness[harness]
-        assert r.status == "succeeded", (harness, r.status, r.error, r.stderr_tail[-1500:])
-        assert r.exit_code == 0 and r.reward == 1.0, (harness, r.reward_info)
-        assert r.n_calls == 2, (harness, r.n_calls)
-        work = Path(r.workdir or "")
-        assert (work / "home").is_dir() and (work / "out").is_dir()
-        recs = captured[r.rollout_id]
-        assert len(recs) == 2, harness
-        api = API[harness]
-        calls = []
-        for rec in recs:
-            h = rec.header
-            assert (h["api"], h["status"], h["stream"], h["token_source"]) == (api, "ok", True, "upstream"), h
-            assert h["request_changes"]["added"]["return_token_ids"] is True
-            calls.append(parse_response(api, True, rec.response, http_status=h["http_status"]))
-        first_req, second_req = (json.loads(rec.request) for rec in recs)
-        c1, c2 = conversation(api, first_req), conversation(api, second_req)
-        assert c2[: len(c1)] == c1, f"{harness}: the follow-up extends the first request"
-        tool_ctx = json.dumps(c2[len(c1) :])
-        assert "marker-42" in tool_ctx and "65534" in tool_ctx, f"{harness}: ran inside the sandbox as nobody"
-        lineage = list(calls[0].prompt_token_ids or []) + list(calls[0].choices[0].token_ids or [])
-        second_prompt = list(calls[1].prompt_token_ids or [])
-        assert lineage and second_prompt[: len(lineage)] == lineage, f"{harness}: ids extend (one lineage)"
-        assert len(second_prompt) > len(lineage)
+        check_two_call_rollout(harness, r, captured[r.rollout_id])
     # Landed and reconstructed: each rollout's tree is one lineage (2 calls, 1 leaf, no branch of any kind).
     stats = land_and_build_trees(tmp_path / "captures", tmp_path / "lake", "clirun")
-    for harness in HARNESSES:
+    for harness in ONE_API_CLIS:
         row = stats[by_harness[harness].rollout_id]
         assert (row["n_calls"], row["n_leaves"], row["kept_out_retokenized"], row["failed_calls"]) == (2, 1, 0, 0), row
         branches = [row[k] for k in row if k.startswith("branches_")]
@@ -178,13 +200,45 @@ def test_each_cli_in_bwrap_through_the_proxy(tmp_path: Path, proxy_factory: Any,
         assert rollout_id in {r.rollout_id for r in results}
 
 
+def test_openclaw_over_its_three_apis_in_bwrap(tmp_path: Path, proxy_factory: Any, cli_installed: None) -> None:
+    """OpenClaw on Node 24 in bwrap (its /tmp writes land in the sandbox's private /tmp), full mode, over Chat
+    Completions, Responses and Messages at once. The trees: one lineage on Responses (it appends); on the other two its
+    follow-up moves the internal-context block after the tool result, a genuine history rewrite: two
+    leaves and one `rewrite` branch (not drift: no completion was re-encoded; not a retry or subagent)."""
+    with ScriptedUpstream(model="tiny", command=COMMAND) as up:
+        proxy = proxy_factory(up.url)
+        results = run_batch(proxy.url, tmp_path, mode="full", timeout_s=240, variants=OPENCLAW, batch="openclaw")
+        proxy.stop()
+    captured = records_by_rollout(tmp_path / "captures")
+    by_variant = dict(zip(OPENCLAW, results, strict=True))
+    for variant, r in by_variant.items():
+        print(f"{variant}: {r.status} {r.duration_s:.1f} s, {r.n_calls} calls")
+        check_two_call_rollout(variant, r, captured[r.rollout_id], extends=variant == "openclaw-responses")
+        envelope = json.loads((Path(r.workdir or "") / "out" / "openclaw.json").read_text())
+        assert (envelope["status"], envelope["final"], envelope["provider"]) == (
+            "ok",
+            "All done.",
+            f"clawpipe-{VARIANTS[variant][1]}",
+        )
+    stats = land_and_build_trees(tmp_path / "captures", tmp_path / "lake", "clirun")
+    for variant, r in by_variant.items():
+        row = stats[r.rollout_id]
+        branches = {k.removeprefix("branches_"): v for k, v in row.items() if k.startswith("branches_") and v}
+        print(f"{variant}: tree n_calls={row['n_calls']} n_leaves={row['n_leaves']} branches={branches}")
+        assert row["n_calls"] == 2 and row["drift_count"] == 0 and row["failed_calls"] == 0, row
+        if variant == "openclaw-responses":
+            assert (row["n_leaves"], branches) == (1, {}), row
+        else:
+            assert (row["n_leaves"], branches) == (2, {"rewrite": 1}), row
+
+
 def test_hanging_endpoint_every_cli_rollout_ends_as_timeout(
     tmp_path: Path, proxy_factory: Any, cli_installed: None
 ) -> None:
     hole = Blackhole()
     try:
         proxy = proxy_factory(hole.url, upstream_timeout_s=120.0)
-        results = run_batch(proxy.url, tmp_path, mode="minimal", timeout_s=6)
+        results = run_batch(proxy.url, tmp_path, mode="minimal", timeout_s=6, variants=(*ONE_API_CLIS, "openclaw-chat"))
     finally:
         hole.close()
     for r in results:

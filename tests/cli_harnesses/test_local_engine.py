@@ -1,8 +1,9 @@
-"""The three real CLIs against clawpipe's local engine serving the tiny policy (CPU), in bwrap, via the proxy.
+"""The real CLIs against clawpipe's local engine serving the tiny policy (CPU), in bwrap, via the proxy.
 
 The tiny policy answers with garbage: what matters is that each CLI's real requests (Anthropic Messages
 with a system role inside messages and beta fields; Responses with developer messages and namespace
-tools; Chat Completions with tools and usage) are served, that each CLI exits by itself, that every call
+tools; Chat Completions with tools and usage; OpenClaw's Chat Completions with max_completion_tokens on
+Node 24) are served, that each CLI exits by itself, that every call
 is captured with the engine's token ids, and that the calls land and the trees build. Minimal modes keep
 the prompts at 4-13 KB so that the CPU prefill stays short.
 """
@@ -17,10 +18,10 @@ from typing import Any
 import pytest
 
 from clawpipe import capture
-from tests.cli_harnesses.support import HARNESSES
-from tests.cli_harnesses.test_in_sandbox import land_and_build_trees, run_batch
+from tests.cli_harnesses.test_in_sandbox import ONE_API_CLIS, land_and_build_trees, run_batch
 
 SECRET = b"cli-harness-test-secret"
+VARIANTS = (*ONE_API_CLIS, "openclaw-chat")
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -44,13 +45,13 @@ def test_each_cli_against_the_local_engine(tmp_path: Path, engine: Any, cli_inst
     )
     proxy.start()
     try:
-        results = run_batch(proxy.url, tmp_path, mode="minimal", timeout_s=150)
+        results = run_batch(proxy.url, tmp_path, mode="minimal", timeout_s=150, variants=VARIANTS)
     finally:
         proxy.stop()
-    by_harness = {r.harness: r for r in results}
+    by_harness = dict(zip(VARIANTS, results, strict=True))
     for r in results:
         print(f"{r.harness}: status={r.status} exit={r.exit_code} calls={r.n_calls} seconds={r.duration_s}")
-    for harness in HARNESSES:
+    for harness in VARIANTS:
         r = by_harness[harness]
         # Garbage answers may make a CLI report an error, but it must end by itself, not by the timeout.
         assert r.status in ("succeeded", "failed"), (harness, r.status, r.error, r.stderr_tail[-1500:])
@@ -70,6 +71,6 @@ def test_each_cli_against_the_local_engine(tmp_path: Path, engine: Any, cli_inst
     assert claude and claude[0].header["query"] in ("beta=true", {"beta": "true"})
     assert "thinking" in json.loads(claude[0].request)
     stats = land_and_build_trees(tmp_path / "captures", tmp_path / "lake", "clirun")
-    for harness in HARNESSES:
+    for harness in VARIANTS:
         row = stats[by_harness[harness].rollout_id]
         assert row["n_calls"] == by_harness[harness].n_calls and row["n_leaves"] >= 1, row

@@ -3,7 +3,10 @@
 The upstream answers the first call with a shell tool call and the follow-up with text. Each test checks
 that the CLI ran the tool in the work dir, that its follow-up extends the first call (the tool's output as
 context; the scripted token ids extend too), that it exited 0 leaving no process, what it sent (path,
-auth, API-specific fields) and that the request shape still matches the recorded fixtures.
+auth, API-specific fields) and that the request shape still matches the recorded fixtures. OpenClaw runs
+over each of its three APIs; in full mode on Chat Completions and Messages its follow-up rewrites the
+history (the internal-context block moves after the tool result), which is checked exactly. Its minimal
+mode has no such block (no background-exec or subagent tools to report on) and appends on every API.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.cli_harnesses.scripted_upstream import ScriptedUpstream, render_conversation, render_tokens
-from tests.cli_harnesses.support import conversation, harness_env, pids_in, run_launcher, write_task
+from tests.cli_harnesses.support import VARIANTS, conversation, harness_env, pids_in, run_launcher, write_task
 
 KEY = "cp1.testkey"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -23,27 +26,45 @@ COMMAND = "echo scripted > tool_ran.txt; echo marker-$((6*7))"
 
 EXPECT: dict[str, dict[str, Any]] = {
     "claude-code": {
-        "api": "messages",
         "path": f"/r/{KEY}/v1/messages",
         "auth": ("x-api-key", KEY),
         "stdout_file": "claude.json",
         "home_files": [".claude/settings.json"],
     },
     "codex": {
-        "api": "responses",
         "path": f"/r/{KEY}/v1/responses",
         "auth": ("authorization", f"Bearer {KEY}"),
         "stdout_file": "codex.jsonl",
         "home_files": [".codex/config.toml"],
     },
     "qwen-code": {
-        "api": "chat",
         "path": f"/r/{KEY}/v1/chat/completions",
         "auth": ("authorization", f"Bearer {KEY}"),
         "stdout_file": "qwen.json",
         "home_files": [".qwen/settings.json"],
     },
+    "openclaw-chat": {
+        "path": f"/r/{KEY}/v1/chat/completions",
+        "auth": ("authorization", f"Bearer {KEY}"),
+        "stdout_file": "openclaw.json",
+        "home_files": [".openclaw/clawpipe.json"],
+    },
+    "openclaw-responses": {
+        "path": f"/r/{KEY}/v1/responses",
+        "auth": ("authorization", f"Bearer {KEY}"),
+        "stdout_file": "openclaw.json",
+        "home_files": [".openclaw/clawpipe.json"],
+    },
+    "openclaw-messages": {
+        "path": f"/r/{KEY}/v1/messages",
+        "auth": ("x-api-key", KEY),
+        "stdout_file": "openclaw.json",
+        "home_files": [".openclaw/clawpipe.json"],
+    },
 }
+# OpenClaw's history rewrite: in full mode on these APIs the follow-up moves the first call's last message
+# (its internal-context block) after the tool call and its result; on Responses it appends.
+MOVES_LAST_MESSAGE = {("openclaw-chat", "full"), ("openclaw-messages", "full")}
 
 CASES = [
     pytest.param("claude-code", "full"),
@@ -52,12 +73,19 @@ CASES = [
     pytest.param("codex", "minimal"),
     pytest.param("qwen-code", "full", marks=pytest.mark.slow),
     pytest.param("qwen-code", "minimal", marks=pytest.mark.slow),
+    *(
+        pytest.param(f"openclaw-{api}", mode, marks=pytest.mark.slow)
+        for api in ("chat", "responses", "messages")
+        for mode in ("full", "minimal")
+    ),
 ]
 
 
-def check_api_specifics(harness: str, mode: str, body: dict[str, Any], headers: dict[str, str], query: dict) -> None:
-    """What NOTES records each CLI sends; the proxy and engine must accept exactly this."""
-    if harness == "claude-code":
+def check_api_specifics(variant: str, mode: str, body: dict[str, Any], headers: dict[str, str], query: dict) -> None:
+    """What each CLI was recorded to send; the proxy and engine must accept exactly this."""
+    if variant.startswith("openclaw"):
+        check_openclaw(variant, mode, body, headers)
+    elif variant == "claude-code":
         assert query == {"beta": "true"}
         assert "claude-code-20250219" in headers["anthropic-beta"]
         assert headers["anthropic-version"] == "2023-06-01"
@@ -66,7 +94,7 @@ def check_api_specifics(harness: str, mode: str, body: dict[str, Any], headers: 
         if mode == "full":
             assert any(m["role"] == "system" for m in body["messages"]), "a system role inside messages"
         assert "cache_control" in json.dumps(body)
-    elif harness == "codex":
+    elif variant == "codex":
         assert body["store"] is False
         assert body["include"] == ["reasoning.encrypted_content"]
         assert body["prompt_cache_key"] and "client_metadata" in body
@@ -78,20 +106,42 @@ def check_api_specifics(harness: str, mode: str, body: dict[str, Any], headers: 
         assert all(t["type"] == "function" for t in body["tools"])
 
 
+def check_openclaw(variant: str, mode: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """OpenClaw: its system prompt as a system message (chat, responses) or ``system`` (messages), the model
+    id without the provider prefix, minimal mode's five tools, and no hidden attribution headers."""
+    names = tool_names(body)
+    assert "exec" in names
+    if mode == "minimal":
+        assert sorted(names) == ["apply_patch", "edit", "exec", "read", "write"]
+    else:
+        assert {"tool_search", "tool_call", "process"} <= set(names), "full mode: Tool Search over the catalog"
+    if variant == "openclaw-messages":
+        assert headers["anthropic-version"] == "2023-06-01" and "You are a personal assistant" in json.dumps(
+            body["system"]
+        )
+        assert body["max_tokens"] == 8192
+    elif variant == "openclaw-responses":
+        assert body["input"][0]["role"] == "system" and body["max_output_tokens"] == 8192
+    else:
+        assert body["messages"][0]["role"] == "system" and body["max_completion_tokens"] == 8192
+        assert body["stream_options"] == {"include_usage": True}
+
+
 def tool_names(body: dict[str, Any]) -> list[str]:
     return [t.get("name") or t.get("function", {}).get("name") or t.get("type") for t in body.get("tools", [])]
 
 
-@pytest.mark.parametrize(("harness", "mode"), CASES)
+@pytest.mark.parametrize(("variant", "mode"), CASES)
 def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
-    harness: str, mode: str, tmp_path: Path, cli_installed: None
+    variant: str, mode: str, tmp_path: Path, cli_installed: None
 ) -> None:
-    want = EXPECT[harness]
+    harness, api, extra = VARIANTS[variant]
+    want = EXPECT[variant]
     workdir = tmp_path / "work"
     workdir.mkdir()
     task = write_task(tmp_path / "task.json")
     with ScriptedUpstream(model="tiny", command=COMMAND) as up:
-        env = harness_env(up.url, workdir, task, key=KEY, extra={"CLAWPIPE_CLI_MODE": mode})
+        env = harness_env(up.url, workdir, task, key=KEY, extra={"CLAWPIPE_CLI_MODE": mode, **extra})
         result = run_launcher(harness, env, workdir)
         reqs = up.model_requests()
         answers = list(up.answers)
@@ -105,19 +155,26 @@ def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
         assert r.path == want["path"]
         assert r.headers[want["auth"][0]] == want["auth"][1]
         assert r.body["model"] == "tiny" and r.body["stream"] is True
-        check_api_specifics(harness, mode, r.body, r.headers, r.query)
+        check_api_specifics(variant, mode, r.body, r.headers, r.query)
 
+    conv1, conv2 = conversation(api, first), conversation(api, second)
+    rewrites = (variant, mode) in MOVES_LAST_MESSAGE
+    if rewrites:
+        # A history rewrite: the last message of the first call moves after the tool call and its result.
+        assert "OPENCLAW_INTERNAL_CONTEXT" in json.dumps(conv1[-1])
+        assert len(conv2) == len(conv1) + 2 and conv2[: len(conv1) - 1] == conv1[:-1] and conv2[-1] == conv1[-1]
+        conv1, conv2 = conv1[:-1], conv2[:-1]
     # The follow-up extends the first call: same history, then the tool call and its output.
-    conv1, conv2 = conversation(want["api"], first), conversation(want["api"], second)
     assert len(conv2) > len(conv1) and conv2[: len(conv1)] == conv1
     appended = json.dumps(conv2[len(conv1) :])
     assert "echo marker-" in appended, "the tool call and its result are in the follow-up"
     if (harness, mode) != ("qwen-code", "minimal"):  # qwen --bare may drop a fast command's output (cli.toml)
         assert "marker-42" in appended, "the tool's output is in the follow-up"
-    # ...and so do the (scripted) token ids: prompt 2 = prompt 1 + completion 1 + the tool result.
-    ids2 = render_tokens(render_conversation(want["api"], second))
+    # ...and so do the (scripted) token ids: prompt 2 = prompt 1 + completion 1 + the tool result; after a
+    # rewrite they part where the moved block stood.
+    ids2 = render_tokens(render_conversation(api, second))
     ids1 = answers[0]["prompt_token_ids"] + answers[0]["token_ids"]
-    assert ids2[: len(ids1)] == ids1 and len(ids2) > len(ids1)
+    assert (ids2[: len(ids1)] == ids1) is not rewrites and len(ids2) > len(ids1)
 
     # Fresh HOME inside the work dir with the settings written; the CLI's result saved; nothing left running.
     for rel in want["home_files"]:
@@ -126,7 +183,7 @@ def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
     assert pids_in(workdir) == []
 
     # Same request shape as the recorded fixture (a new CLI version that changes it fails here).
-    fixture = json.loads((FIXTURES / f"{harness}-{mode}-1.json").read_text())
+    fixture = json.loads((FIXTURES / f"{variant}-{mode}-1.json").read_text())
     assert sorted(first) == sorted(fixture["body"])
     assert tool_names(first) == tool_names(fixture["body"])
     assert fixture["path"] == want["path"].replace(KEY, "<key>")
@@ -149,25 +206,34 @@ SHARED_TOOL_CALLS = {
     "claude-code": ("Bash", {"command": COMMAND, "description": "run it"}),
     "codex": ("exec_command", {"cmd": COMMAND}),
     "qwen-code": ("run_shell_command", {"command": COMMAND}),
+    "openclaw-responses": ("exec", {"command": COMMAND}),
 }
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "codex", pytest.param("qwen-code", marks=pytest.mark.slow)])
-def test_cli_against_the_shared_scripted_upstream(harness: str, tmp_path: Path, cli_installed: None) -> None:
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "claude-code",
+        "codex",
+        pytest.param("qwen-code", marks=pytest.mark.slow),
+        pytest.param("openclaw-responses", marks=pytest.mark.slow),
+    ],
+)
+def test_cli_against_the_shared_scripted_upstream(variant: str, tmp_path: Path, cli_installed: None) -> None:
     """The proxy's test upstream (tests/support/upstream.py: 4-character SSE chunks, ids only on request)."""
     from tests.support.upstream import ScriptedUpstream as SharedUpstream
     from tests.support.upstream import say, tool_call
 
+    harness, api, extra = VARIANTS[variant]
     workdir = tmp_path / "work"
     task = write_task(tmp_path / "task.json")
-    with SharedUpstream([tool_call(*SHARED_TOOL_CALLS[harness]), say("All done.")], model="tiny") as up:
-        env = harness_env(up.url, workdir, task, rollout_prefix=False, extra={"CLAWPIPE_CLI_MODE": "full"})
+    with SharedUpstream([tool_call(*SHARED_TOOL_CALLS[variant]), say("All done.")], model="tiny") as up:
+        env = harness_env(up.url, workdir, task, rollout_prefix=False, extra={"CLAWPIPE_CLI_MODE": "full", **extra})
         result = run_launcher(harness, env, workdir)
         seen = [r for r in up.requests if r.method == "POST"]
     assert result.returncode == 0, result.stderr[-2000:]
     assert (workdir / "tool_ran.txt").read_text() == "scripted\n"
     assert len(seen) == 2
-    api = EXPECT[harness]["api"]
     conv1, conv2 = conversation(api, seen[0].json()), conversation(api, seen[1].json())
     assert conv2[: len(conv1)] == conv1 and "marker-42" in json.dumps(conv2[len(conv1) :])
     assert pids_in(workdir) == []
