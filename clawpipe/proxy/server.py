@@ -143,6 +143,7 @@ class ProxyServer:
         self._seq: dict[tuple[str, int, str], int] = {}
         self._conns: set[ClientConn] = set()
         self._calls: set[Call] = set()
+        self._recorded: set[str] = set()  # call ids of calls being answered whose record was submitted
         self._handlers: set[asyncio.Task[None]] = set()  # one per request being answered
         self._stopping = False
         self._retok: Any = None
@@ -219,6 +220,8 @@ class ProxyServer:
             await asyncio.wait_for(self._drained.wait(), timeout)
         for call in list(self._calls):
             call.shut_down()
+        for rep in self._replicas:
+            rep.stop_waiting()  # calls waiting for an upstream connection answer 503 and are captured
         self._resumed.set()  # calls waiting out a pause answer 503 and are captured
         if self._handlers:
             await asyncio.wait(set(self._handlers), timeout=10)
@@ -342,10 +345,8 @@ class ProxyServer:
             conn.write(wire.error_response(500, "internal proxy error", anthropic=False, keep_alive=False))
             conn.finish(False)
 
-    async def _model_call(
-        self, conn: ClientConn, req: wire.Request, att: RolloutKey, path: str, anthropic: bool
-    ) -> None:
-        t_start = time.time()
+    def _new_header(self, req: wire.Request, att: RolloutKey, path: str) -> tuple[dict[str, Any], str | None]:
+        """The capture header of a new call (its outcome fields filled in later) and its API."""
         api = ROUTES.get((req.method, path))
         if api is None and not path.startswith("/v1/"):  # a base URL given without /v1
             api = ROUTES.get((req.method, "/v1" + path))
@@ -356,7 +357,6 @@ class ProxyServer:
         if seq == 0 and len(self._seq) > 500_000:
             self._seq.clear()
         self._seq[rkey] = seq
-        query = req.target.partition("?")[2]
         header: dict[str, Any] = {
             "call_id": os.urandom(16).hex(),
             "run_id": att.run_id,
@@ -366,20 +366,47 @@ class ProxyServer:
             "api": api or "unknown",
             "method": req.method,
             "path": path,
-            "query": query,
+            "query": req.target.partition("?")[2],
             "stream": False,
             "http_status": 0,
             "status": "ok",
             "error": None,
             "model": None,
             "policy_version": self.policy_version,
-            "t_start": t_start,
+            "t_start": time.time(),
             "t_end": 0.0,
             "upstream_ms": None,
             "request_changes": {},
             "token_source": "none",
             "upstream": None,
         }
+        return header, api
+
+    async def _model_call(
+        self, conn: ClientConn, req: wire.Request, att: RolloutKey, path: str, anthropic: bool
+    ) -> None:
+        header, api = self._new_header(req, att, path)
+        call_id = header["call_id"]
+        try:
+            await self._run_call(conn, req, header, api, anthropic)
+        except Exception as exc:  # a bug, not the call's fault: still answered, and captured exactly once
+            log.exception("proxy failed on call_id=%s path=%s", call_id, req.path)
+            if call_id not in self._recorded and not conn.closed:
+                await self._fail(conn, req, header, 500, f"internal proxy error: {type(exc).__name__}", anthropic)
+            elif call_id not in self._recorded:
+                header.update(status="http_error", http_status=500, error=f"internal proxy error: {exc!r}")
+                header["t_end"] = time.time()
+                await self._capture(header, req.body, b"")
+            else:
+                conn.write(wire.error_response(500, "internal proxy error", anthropic=anthropic, keep_alive=False))
+                conn.finish(False)
+        finally:
+            self._recorded.discard(call_id)
+
+    async def _run_call(
+        self, conn: ClientConn, req: wire.Request, header: dict[str, Any], api: str | None, anthropic: bool
+    ) -> None:
+        path = header["path"]
         if "too_large" in req.extra:
             limit = self.config.max_body_bytes
             msg = f"request body of {req.extra['too_large']} bytes exceeds the proxy limit of {limit} bytes"
@@ -436,7 +463,7 @@ class ProxyServer:
         self.in_flight += 1
         self._drained.clear()
         try:
-            await self._forward(conn, req, header, api, path, body, stream, att, anthropic)
+            await self._forward(conn, req, header, api, path, body, stream, anthropic)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -451,7 +478,6 @@ class ProxyServer:
         path: str,
         body: bytes,
         stream: bool,
-        att: RolloutKey,
         anthropic: bool,
     ) -> None:
         loop = self._loop
@@ -463,7 +489,7 @@ class ProxyServer:
         call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=self.config.max_response_bytes)
         conn.call = call
         replicas = self._replicas
-        start = zlib.crc32(att.rollout_id.encode()) % len(replicas) if len(replicas) > 1 else 0
+        start = zlib.crc32(header["rollout_id"].encode()) % len(replicas) if len(replicas) > 1 else 0
         t_up = time.perf_counter()
         last_error = ""
         for k in range(len(replicas)):
@@ -475,7 +501,11 @@ class ProxyServer:
             last_error = call.error or f"upstream {rep.url} unreachable"
         else:
             header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
-            await self._fail(conn, req, header, 502, last_error or "no upstream reachable", anthropic)
+            if self._stopping:  # waited for an upstream connection until the proxy stopped
+                msg = "the proxy shut down before the call reached an upstream; retry the call"
+                await self._fail(conn, req, header, 503, msg, anthropic)
+            else:
+                await self._fail(conn, req, header, 502, last_error or "no upstream reachable", anthropic)
             return
         header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
         outcome = call.outcome
@@ -591,6 +621,7 @@ class ProxyServer:
             if not fut.done():
                 fut.set_result(exc is None)
 
+        self._recorded.add(header["call_id"])
         try:
             self.writer.submit(header, request, response, done)
         except ClawpipeError:

@@ -378,14 +378,18 @@ class Replica:
             self.open -= 1
             self._wake()
 
+    def stop_waiting(self) -> None:
+        """Calls still waiting for a connection fail (the proxy is stopping)."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(ConnectionError("the proxy is shutting down"))
+
     def close(self) -> None:
         for conn in self.idle:
             conn.abort()
         self.idle.clear()
-        while self._waiters:  # calls still waiting fail as if the upstream were down
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_exception(ConnectionError("the proxy is shutting down"))
+        self.stop_waiting()
 
     def request_bytes(self, method: str, target: str, headers: bytes, body: bytes) -> bytes:
         """The request line, headers and body to send to this replica."""

@@ -218,3 +218,48 @@ def test_an_http_1_0_client_gets_its_stream_until_close(proxy: ProxyHandle, upst
     assert stream.rstrip().endswith(b"data: [DONE]")
     (rec,) = proxy.records()
     assert rec.header["status"] == "ok" and rec.response == stream
+
+
+def test_calls_waiting_for_an_upstream_connection_at_shutdown_are_captured_once(
+    make_proxy: Any, upstream: ScriptedUpstream
+) -> None:
+    """One upstream connection allowed, the upstream hangs: one call holds it, two wait in line. Stopping the
+    proxy answers all three and captures each exactly once."""
+    upstream.hang = True
+    proxy = make_proxy([upstream.url], max_upstream_conns=1)
+    out: dict[str, httpx.Response] = {}
+
+    def call(name: str) -> None:
+        out[name] = httpx.post(f"{proxy.openai_base(name)}/chat/completions", json=CHAT, timeout=30)
+
+    threads = [threading.Thread(target=call, args=(f"w{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while proxy.server.in_flight < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    (rep,) = proxy.server._replicas
+    assert rep.open == 1 and len(rep._waiters) == 2
+    proxy.server.stop(drain_timeout_s=0.3)
+    for t in threads:
+        t.join(15)
+    assert sorted(r.status_code for r in out.values()) == [503, 503, 503]
+    records = proxy.records()
+    assert sorted(r.header["rollout_id"] for r in records) == ["w0", "w1", "w2"]
+    assert all(r.header["http_status"] == 503 for r in records)
+
+
+def test_an_internal_error_is_answered_and_captured_once(proxy: ProxyHandle, upstream, monkeypatch) -> None:
+    import clawpipe.proxy.server as server_mod
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(server_mod, "prepare_body", broken)
+    r = httpx.post(f"{proxy.openai_base('bug')}/chat/completions", json=CHAT, timeout=10)
+    assert r.status_code == 500 and "internal proxy error" in r.json()["error"]["message"]
+    (rec,) = proxy.records()
+    assert rec.header["rollout_id"] == "bug" and rec.header["http_status"] == 500
+    monkeypatch.undo()
+    _still_serves(proxy)
