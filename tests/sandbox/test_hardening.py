@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from clawpipe.keys import mint_key
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.backends.bwrap import join_fresh_session_keyring
 from clawpipe.sandbox.seccomp import ARCHES, SYSCALLS, build_filter
-from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
+from tests.sandbox.support import URLLIB_HARNESS, EchoTaskSet, Upstream, make_harness
 
 SECRET = b"hardening-secret"
 
@@ -173,3 +174,47 @@ def test_filter_program_shape_and_numbers() -> None:
         text = header.read_text()
         for name, (x86, _) in SYSCALLS.items():
             assert f"#define __NR_{name} {x86}\n" in text, name
+
+
+SLOW_CALL = URLLIB_HARNESS + "\nimport time\ntime.sleep(3)  # while the test inspects the container\n"
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_docker_inspect_shows_no_key(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, docker_host: str) -> None:
+    """The key reaches the harness (its call is attributed), yet the container's Env, Cmd and Args never hold it."""
+    import docker
+
+    from clawpipe.sandbox.backends.docker import LABEL
+
+    client = docker.DockerClient(base_url=docker_host)
+    m = load_manifest(make_harness(tmp_path / "h", "slow", SLOW_CALL))
+    spec = RolloutSpec(run_id="insp", iteration=0, harness=m, task=echo.generate(1)[0], model="m")
+    key = mint_key(SECRET, run_id="insp", iteration=0, rollout_id=spec.id)
+    inspected: list[dict[str, Any]] = []
+
+    def inspect() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(a["Name"].startswith("/cp-run") for a in inspected):
+            for c in client.containers.list(filters={"label": LABEL}):
+                inspected.append(client.api.inspect_container(c.id))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=inspect, daemon=True)
+    watcher.start()
+    res = run_rollouts(
+        [spec],
+        proxy_url=upstream.url,
+        backend="docker",
+        results_path=tmp_path / "results.jsonl",
+        secret=SECRET,
+        scratch_dir=tmp_path / "scratch",
+        task_sets={"echo": echo},
+    )
+    watcher.join()
+    client.close()
+    assert (res[0].status, res[0].reward, res[0].n_calls) == ("succeeded", 1.0, 1), res[0].stderr_tail[-500:]
+    runs = [a for a in inspected if a["Name"].startswith("/cp-run")]
+    assert runs and runs[0]["Args"][-2:] == ["python3", "/harness/main.py"]
+    for attrs in inspected:
+        assert key not in json.dumps(attrs)

@@ -212,7 +212,7 @@ def test_isolation_from_inside(backend: str, tmp_path: Path, upstream: Upstream,
         "PYTHONUNBUFFERED",
         "DECLARED",
         "CLAWPIPE_TIMEOUT_S",
-        *(["HOSTNAME"] if backend == "docker" else ["PWD"]),
+        *(["HOSTNAME", "PWD"] if backend == "docker" else ["PWD"]),  # docker: its sh launcher sets PWD too
     }
     assert p["env"]["DECLARED"] == "yes" and p["env"]["ANTHROPIC_API_KEY"] == key
     # The only key the harness holds is its own; minting another rollout's key needs the host's secret.

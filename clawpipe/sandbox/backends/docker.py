@@ -9,15 +9,22 @@ Network: a small *holder* container (``sleep infinity``, network none) owns the 
 host opens the bridge listener inside it (State.Pid) and the harness container joins it with
 ``network_mode=container:<holder>`` (the pod pattern), so the listener exists before the harness runs.
 Limits: mem_limit (= memswap), nano_cpus, pids_limit; cap_drop ALL, no-new-privileges, uid 65534.
+The harness's environment (its key among it) is not given to Docker, whose ``docker inspect`` shows a
+container's Env to anyone who can reach the engine: it is written to a file in the rollout folder (mode
+0400, owned by the sandbox user), bound read-only at ``/run/clawpipe.env``, and sourced by ``/bin/sh``
+just before it execs the harness; the file is removed when the container ends.
 The SDK's ``container.wait(timeout=...)`` raises requests' ConnectionError/ReadTimeout on timeout
 (NOTES): that is the timeout path, after which the container is killed. Both containers are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
+import os
+import shlex
 import tarfile
 import threading
 import time
@@ -50,6 +57,9 @@ logger = logging.getLogger(__name__)
 IMAGE_REPO = "clawpipe-sandbox"
 LABEL = "clawpipe.sandbox"
 ETC_BINDS = ("ld.so.cache", "localtime", "alternatives", "ssl", "ca-certificates")
+INNER_ENV = "/run/clawpipe.env"
+# POSIX sh: export everything the file assigns, then become the harness (argv after "sh").
+ENV_LAUNCHER = ["/bin/sh", "-c", f'set -a; . {INNER_ENV}; set +a; exec "$@"', "sh"]
 _image_lock = threading.Lock()
 
 
@@ -154,7 +164,24 @@ class DockerBackend:
             vols[str(job.manifest.kit_dir)] = {"bind": INNER_KIT, "mode": "ro"}
         vols[str(job.task_path)] = {"bind": INNER_TASK, "mode": "ro"}
         vols[str(job.workdir)] = {"bind": INNER_WORKDIR, "mode": "rw"}
+        vols[str(self._env_path(job))] = {"bind": INNER_ENV, "mode": "ro"}
         return vols
+
+    @staticmethod
+    def _env_path(job: SandboxJob) -> Path:
+        return job.rollout_dir / "harness.env"
+
+    def _write_env(self, job: SandboxJob, env: dict[str, str]) -> None:
+        """The harness's environment as sh assignments, readable by the sandbox user only (where we are root)."""
+        path = self._env_path(job)
+        text = "".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o400)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if os.geteuid() == 0:
+            os.chown(path, SANDBOX_UID, SANDBOX_GID)
+        else:  # docker-group user: the container's uid 65534 must still read it
+            os.chmod(path, 0o444)
 
     def _common(self, job: SandboxJob) -> dict[str, Any]:
         return {
@@ -196,12 +223,12 @@ class DockerBackend:
                     path_dirs=[str(self.python.bin)],
                 )
                 mem = f"{job.limits.memory_mb}m"
+                self._write_env(job, env)
                 container = self.client.containers.create(
                     self.image,
-                    job.manifest.resolve_command(INNER_HARNESS),
+                    [*ENV_LAUNCHER, *job.manifest.resolve_command(INNER_HARNESS)],
                     name=f"cp-run{suffix}",
                     network_mode=f"container:{holder.id}",
-                    environment=env,
                     working_dir=INNER_WORKDIR,
                     volumes=self._volumes(job),
                     tmpfs={"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_mb}m,mode=1777"},
@@ -236,6 +263,8 @@ class DockerBackend:
             self._save_logs(container, job)
             return out
         finally:
+            with contextlib.suppress(OSError):
+                self._env_path(job).unlink()
             if route is not None:
                 detach_route(bridge, route, out)
             for c in (container, holder):
