@@ -68,7 +68,8 @@ MODEL_CALLS = pa.schema(
         pa.field("http_status", pa.int32()),
         pa.field("error", pa.string()),
         pa.field("model", pa.string()),
-        pa.field("policy_version", pa.int64()),
+        pa.field("policy_version", pa.int64()),  # the engine's, where its response reports one
+        pa.field("proxy_policy_version", pa.int64()),  # the proxy's stamp (audit: policy_version_mismatch)
         pa.field("prompt_token_ids", IDS),
         pa.field("completion_token_ids", IDS),
         pa.field("completion_logprobs", LOGPROBS),

@@ -244,18 +244,38 @@ def connect(
     con.execute("set variable lake_root = ?", [lake.url])
     names = tables or tuple(TABLES)
     for name in names:
+        con.register(f"_{name}_empty", TABLES[name].empty_table())
         if files is not None and files.get(name):
             _pinned_view(con, name, files[name])
+            _add_missing_columns(con, name)
         elif files is None and lake.has_parquet(name):
             con.execute(sqlfiles.sql_text(f"views/{name}"))
+            _add_missing_columns(con, name)
         else:
-            con.register(f"_{name}_empty", TABLES[name].empty_table())
             con.execute(f"create or replace view {name} as select * from _{name}_empty")
     if tables is None:
         for extra in sqlfiles.sql_names("views"):
             if extra not in TABLES:
                 con.execute(sqlfiles.sql_text(f"views/{extra}"))
     return con
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    """Columns of the schema that no file has yet (files written before a column was added) become typed
+    NULLs, so every query and audit can name every column of ``schemas``."""
+    have = {row[0] for row in con.execute(f"select column_name from (describe {name})").fetchall()}
+    if all(f.name in have for f in TABLES[name]):
+        return
+    con.execute(f"alter view {name} rename to _{name}_files")
+    con.execute(f"create view {name} as select * from _{name}_files union all by name select * from _{name}_empty")
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with ``schema``'s columns, in order and types; columns it lacks (older files) are nulls."""
+    for f in schema:
+        if f.name not in table.column_names:
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
+    return table.select(schema.names).cast(schema)
 
 
 def table_files(lake: LakeFS) -> dict[str, list[str]]:
@@ -293,7 +313,7 @@ def replace_partition(
         raise LakeError(f"unknown table {table!r}; known: {sorted(TABLES)}")
     schema = TABLES[table]
     try:
-        data = data.select(schema.names).cast(schema)
+        data = conform(data, schema)
     except (KeyError, pa.ArrowInvalid) as exc:
         raise LakeError(f"rows for {table} do not match schemas.{table.upper()}: {exc}") from exc
     lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from clawpipe import schemas
 from clawpipe.lake import manifest
-from clawpipe.tables import STAGING, TMP_SUFFIX, LakeFS
+from clawpipe.tables import STAGING, TMP_SUFFIX, LakeFS, conform
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows:
     for f in files:
         pf = pq.ParquetFile(lake.full(f), filesystem=lake.fs)
         for rg in range(pf.num_row_groups):
-            t = pf.read_row_group(rg).select(schema.names).cast(schema)
+            t = conform(pf.read_row_group(rg), schema)  # files landed before a column was added
             if table == "model_calls":
                 ids = t.column("call_id").to_pylist()
                 # rows of one call are contiguous and land together: a call already seen is a duplicate

@@ -56,6 +56,8 @@ class LandingReport:
     rollouts: int = 0  # result lines landed into rollouts
     rejects: int = 0
     damaged_bytes: int = 0  # capture bytes in damaged regions (each region is one reject)
+    policy_version_mismatches: int = 0  # calls whose engine-reported policy_version is not the proxy's stamp
+    stream_errors: int = 0  # 200 answers that are errors (streams ending in an error event): upstream_error
     segments: int = 0  # segments read (new bytes found)
     bytes: int = 0  # capture bytes read
     batches: int = 0
@@ -273,10 +275,16 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
     t_start = rows.epoch_s(header.get("t_start"), "header t_start")
     t_end = rows.epoch_s(header.get("t_end"), "header t_end")
     latency = (t_end - t_start) * 1000.0 if t_start is not None and t_end is not None else None
-    policy_version = rows.int_value(header.get("policy_version"), "header policy_version", 0, rows.INT64_MAX)
+    stamp = rows.int_value(header.get("policy_version"), "header policy_version", 0, rows.INT64_MAX)
     engine_version = rows.int_value(parsed.policy_version, "response policy_version", 0, rows.INT64_MAX)
-    if policy_version is None:
-        policy_version = engine_version
+    # the engine knows which weights sampled the call; the proxy's stamp can lag a publish it was not told of
+    policy_version = stamp if engine_version is None else engine_version
+    if stamp is not None and engine_version is not None and stamp != engine_version:
+        batch.report.policy_version_mismatches += 1
+    if status == "ok" and (parsed.stream_error or parsed.error is not None):
+        # a 200 answer that is an error: mostly a stream whose last event is one (the engine stopped part-way)
+        status = "upstream_error"
+        batch.report.stream_errors += 1
     prompt_tokens = rows.int_value(parsed.prompt_tokens, "usage prompt_tokens")
     if prompt_tokens is None and prompt_arr is not None:
         prompt_tokens = len(prompt_arr)
@@ -316,6 +324,7 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
                 error,
                 model,
                 policy_version,
+                stamp,
                 prompt_arr,
                 ids,
                 lps,
@@ -535,6 +544,12 @@ def _land(
     report = lander.report
     report.partitions = {k for k, p in lander.partitions.items() if p.landed}
     report.seconds = time.perf_counter() - t0
+    if report.policy_version_mismatches:
+        log.warning(
+            "%d calls: the engine reported a policy_version other than the proxy's stamp; the lake keeps the "
+            "engine's (proxy_policy_version holds the stamp; `clawpipe lake check` lists them)",
+            report.policy_version_mismatches,
+        )
     log.info(
         "landed calls=%d rows=%d duplicates=%d rollouts=%d rejects=%d batches=%d in %.2fs",
         report.calls,

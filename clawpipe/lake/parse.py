@@ -57,6 +57,8 @@ class ParsedCall:
     choices: list[Choice] = field(default_factory=list)
     # id and logprob lists came from the typed decoder: their element types are checked already
     typed: bool = field(default=False, compare=False)
+    # the stream ended in an error (its last event is the API's error event, or a failed response)
+    stream_error: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -499,6 +501,32 @@ def reassemble_responses_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
+# streams cut by an error
+
+
+def _ends_in_error(api: str, last: dict[str, Any]) -> bool:
+    """Whether a stream's last event is its API's error event: the engine (or vLLM) failed part-way, e.g.
+    at shutdown, after a 200 head. Chat/completions: ``{"error": ...}`` without choices (vLLM also
+    ``{"object": "error"}``); Messages: ``type: error``; Responses: ``error`` or ``response.failed``."""
+    if api in ("chat", "completions"):
+        return ("error" in last and not last.get("choices")) or last.get("object") == "error"
+    if api == "messages":
+        return last.get("type") == "error"
+    if api == "responses":
+        return last.get("type") in ("error", "response.failed")
+    return False
+
+
+def _stream_error_text(last: dict[str, Any]) -> str:
+    if last.get("type") == "response.failed":
+        err = (last.get("response") or {}).get("error")
+        return _error_text(err) if err else "response.failed"
+    if "error" in last:
+        return _error_text(last["error"])
+    return _error_text(last)  # vLLM's {"object": "error", "message"} and the Responses error event
+
+
+# --------------------------------------------------------------------------------------------------
 # entry point
 
 _CUT_MIN_BYTES = 32 << 10
@@ -559,6 +587,7 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
         else:
             raise ParseError(f"streamed {api!r} calls are not a known shape")
         parsed.response = orjson.dumps(obj)
+        parsed.stream_error = _ends_in_error(api, events[-1])
     else:
         if api in ("chat", "completions") and not failed_http:
             fast = _parse_openai_fast(body, api)
@@ -593,6 +622,8 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
             parsed.error = _error_text(obj["error"])
     except (AttributeError, KeyError, TypeError) as exc:
         raise ParseError(f"unexpected {api} response shape: {type(exc).__name__}: {exc}") from exc
+    if parsed.stream_error and parsed.error is None:
+        parsed.error = _stream_error_text(events[-1])
     if parsed.error is None and (failed_http or obj.get("object") == "error"):
         # vLLM: {"object": "error", "message"}; FastAPI: {"detail"}; anything else: the body itself
         detail = obj.get("error") or obj.get("message") or obj.get("detail")

@@ -36,7 +36,10 @@ _LOCKS = (
 
 def connect_read_only(lake_root: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
     """A connection with the lake's views that can read nothing but the lake's Parquet files and write nothing."""
-    lake = tables.LakeFS(lake_root)
+    return _connect_pinned(tables.LakeFS(lake_root))[0]
+
+
+def _connect_pinned(lake: tables.LakeFS) -> tuple[duckdb.DuckDBPyConnection, dict[str, list[str]]]:
     files = tables.table_files(lake)
     con = tables.connect(lake, files=files)
     allowed = {f for fs in files.values() for f in fs}
@@ -45,7 +48,7 @@ def connect_read_only(lake_root: str | os.PathLike[str]) -> duckdb.DuckDBPyConne
     con.execute("set allowed_paths = ?", [sorted(allowed)])
     for lock in _LOCKS:
         con.execute(lock)
-    return con
+    return con, files
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
@@ -67,12 +70,15 @@ def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
 
 def run_sql(lake_root: str | os.PathLike[str], query: str, params: dict[str, Any] | None = None) -> pa.Table:
     """Run one read-only statement over the lake's views and return the rows as Arrow."""
+    lake = tables.LakeFS(lake_root)
     for attempt in range(_RETRIES + 1):
         con = None
+        files: dict[str, list[str]] | None = None
         try:
-            # views resolve their globs when created, so a compaction that swaps a partition between the glob
-            # and the read fails the connect or the query alike: a fresh try sees the new files
-            con = connect_read_only(lake_root)
+            # the views read the files listed at connect, so a compaction that swaps a partition between the
+            # listing and the read fails the query (a file gone, or one not on the list): a fresh try sees the
+            # new files
+            con, files = _connect_pinned(lake)
             check_read_only(con, query)
             return con.sql(query, params=params or None).to_arrow_table()
         except duckdb.IOException as exc:
@@ -80,6 +86,9 @@ def run_sql(lake_root: str | os.PathLike[str], query: str, params: dict[str, Any
                 raise LakeError(str(exc).strip()) from exc
             time.sleep(0.05 * (attempt + 1))
         except duckdb.PermissionException as exc:
+            if attempt < _RETRIES and files is not None and files != tables.table_files(lake):
+                time.sleep(0.05 * (attempt + 1))
+                continue
             raise LakeError(f"{str(exc).strip()}; clawpipe sql reads the lake's tables and nothing else") from exc
         except duckdb.Error as exc:
             raise LakeError(str(exc).strip()) from exc
