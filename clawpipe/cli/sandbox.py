@@ -1,10 +1,19 @@
-"""``clawpipe rollout`` (run harnesses on tasks in sandboxes) and ``clawpipe harness list|check``."""
+"""``clawpipe rollout`` (run harnesses on tasks in sandboxes) and ``clawpipe harness list|check|install``."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import typer
+
+logger = logging.getLogger(__name__)
+# Written into a harness's .venv by `harness install`: the sha256 of the requirements it was built from.
+PACKAGES_STAMP = ".clawpipe-requirements.sha256"
 
 harness_app = typer.Typer(help="Inspect harness manifests (harnesses/<name>/harness.toml).", no_args_is_help=True)
 
@@ -183,3 +192,91 @@ def harness_check(
     typer.echo(f"  memory_mb={m.limits.memory_mb} cpus={m.limits.cpus} pids={m.limits.pids}")
     for p in m.ro_paths:
         typer.echo(f"  ro_path {p} {'(present)' if p.exists() else '(MISSING)'}")
+    state = packages_state(m.dir)
+    if state is not None:
+        typer.echo(f"  packages: {state}")
+
+
+def packages_state(folder: Path) -> str | None:
+    """How a harness's own environment stands against its requirements.txt; None without one."""
+    from clawpipe.sandbox.manifest import HARNESS_VENV, PACKAGES_FILE
+
+    req = folder / PACKAGES_FILE
+    if not req.is_file():
+        return None
+    stamp = folder / HARNESS_VENV / PACKAGES_STAMP
+    if not stamp.is_file():
+        return f"MISSING: run `clawpipe harness install {folder.name}`"
+    if stamp.read_text().strip() != hashlib.sha256(req.read_bytes()).hexdigest():
+        return f"STALE ({PACKAGES_FILE} changed): run `clawpipe harness install {folder.name}`"
+    return f"{HARNESS_VENV} up to date with {PACKAGES_FILE}"
+
+
+def harness_folder(name: str, dirs: list[Path]) -> Path:
+    """The folder of harness ``name`` (or a folder path), found without validating its manifest: the
+    manifest may name the interpreter that `harness install` is about to build."""
+    from clawpipe.errors import ManifestError
+    from clawpipe.sandbox.manifest import MANIFEST_NAME
+
+    candidates = [Path(name)] if "/" in name else [d / name for d in dirs]
+    for folder in candidates:
+        if (folder / MANIFEST_NAME).is_file():
+            return folder.resolve()
+    raise ManifestError(f"no harness {name!r} in {[str(c) for c in candidates]} (a folder with a {MANIFEST_NAME})")
+
+
+def build_packages(folder: Path, *, force: bool = False) -> bool:
+    """Build ``<folder>/.venv`` from ``<folder>/requirements.txt``; False when it is already up to date.
+
+    The environment runs on the project's interpreter and sees the project's packages (the model SDKs) after
+    its own, through a .pth file; both are mounted read-only in every sandbox (the harness folder at
+    /harness). A failed install leaves no environment behind.
+    """
+    from clawpipe.errors import ConfigError
+    from clawpipe.sandbox.manifest import HARNESS_VENV, PACKAGES_FILE
+
+    req = folder / PACKAGES_FILE
+    if not req.is_file():
+        raise ConfigError(f"{folder} has no {PACKAGES_FILE}: list the packages the harness imports there")
+    digest = hashlib.sha256(req.read_bytes()).hexdigest()
+    venv = folder / HARNESS_VENV
+    if not force and (venv / PACKAGES_STAMP).is_file() and (venv / PACKAGES_STAMP).read_text().strip() == digest:
+        return False
+    shutil.rmtree(venv, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        project_site = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+        # an import line, so that the project's own .pth files (editable installs) are processed too
+        lines = [f"import site; site.addsitedir({p!r})" for p in project_site]
+        (venv / "lib" / version / "site-packages" / "_clawpipe_project.pth").write_text("\n".join(lines) + "\n")
+        pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install"]
+        proc = subprocess.run(
+            [*pip, "--no-input", "--disable-pip-version-check", "-r", str(req)], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise ConfigError(f"pip could not install {req} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        (venv / PACKAGES_STAMP).write_text(digest + "\n")
+    except BaseException:
+        shutil.rmtree(venv, ignore_errors=True)
+        raise
+    logger.info("built %s from %s", venv, req)
+    return True
+
+
+@harness_app.command("install")
+def harness_install(
+    name: str = typer.Argument(..., help="Harness name or folder."),
+    harness_dir: list[Path] = typer.Option([], "--harness-dir", help="Extra folder holding <name>/harness.toml."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even when up to date."),
+) -> None:
+    """Build the harness's own packages (requirements.txt -> .venv in its folder, git-ignored, read-only in
+    the sandbox); its manifest then runs ``.venv/bin/python``. A no-op when up to date."""
+    from clawpipe.sandbox import find_harness
+    from clawpipe.sandbox.manifest import default_harness_dirs
+
+    dirs = [*harness_dir, *default_harness_dirs()]
+    folder = harness_folder(name, dirs)
+    built = build_packages(folder, force=force)
+    m = find_harness(str(folder), dirs)  # the manifest is valid now that its interpreter exists
+    typer.echo(f"{m.name}: {'built' if built else 'up to date:'} {packages_state(folder)}")

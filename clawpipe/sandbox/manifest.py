@@ -22,6 +22,9 @@ from clawpipe.tasks.base import validate_task  # the one task check, shared with
 MANIFEST_NAME = "harness.toml"
 KIT_NAME = "_kit"  # the shared harness library: a folder beside the harness folders (no manifest, never listed)
 KIT_ENV = "CLAWPIPE_HARNESS_KIT"  # where the runner tells a harness the kit is (harnesses/_kit/README.md)
+# A harness's own packages: `clawpipe harness install NAME` builds HARNESS_VENV in its folder from PACKAGES_FILE.
+PACKAGES_FILE = "requirements.txt"
+HARNESS_VENV = ".venv"
 APIS = ("openai", "anthropic")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -187,7 +190,10 @@ def parse_manifest(data: Mapping[str, Any], path: Path) -> HarnessManifest:
     )
     first = command[0]
     if "/" in first and not first.startswith("/") and not (manifest.dir / first).exists():
-        raise _fail(path, f"`command[0]` {first!r} is not a file in {manifest.dir}")
+        hint = ""
+        if Path(first).parts[0] == HARNESS_VENV and (manifest.dir / PACKAGES_FILE).is_file():
+            hint = f"; it is built from {PACKAGES_FILE}: run `clawpipe harness install {name}`"
+        raise _fail(path, f"`command[0]` {first!r} is not a file in {manifest.dir}{hint}")
     return manifest
 
 
