@@ -6,6 +6,8 @@ and :func:`run_proxy` (blocking, for the CLI). See ``clawpipe/proxy/server.py`` 
 
 from __future__ import annotations
 
-from clawpipe.proxy.server import ProxyConfig, ProxyServer, run_proxy
+from clawpipe.proxy.config import ProxyConfig
+from clawpipe.proxy.run import run_proxy
+from clawpipe.proxy.server import ProxyServer
 
 __all__ = ["ProxyConfig", "ProxyServer", "run_proxy"]

@@ -6,6 +6,14 @@ or as the bearer / ``x-api-key`` token; it is forwarded to one upstream replica 
 (:mod:`clawpipe.proxy.segments`). Durability guarantee: the response of a non-streamed call, and the
 final bytes of a streamed one (the chunk holding its end marker and the chunked terminator), are released
 to the harness only after the call's record is fsynced: a call whose response reached the harness is on disk.
+Every call with a valid key that was read whole is captured exactly once, whatever its end (upstream error,
+response over the size limit, body over the budget, shutdown, an internal error); requests that cannot be
+framed, that never finish arriving, or that exceed the connection cap are answered without a record.
+
+Module map: framing (:mod:`~clawpipe.proxy.framing`), connections (:mod:`~clawpipe.proxy.conn`), calls
+(:mod:`~clawpipe.proxy.call`), upstream pool (:mod:`~clawpipe.proxy.upstream`), outcome to captured status
+(:mod:`~clawpipe.proxy.outcome`), answers (:mod:`~clawpipe.proxy.respond`), limits and settings
+(:mod:`~clawpipe.proxy.limits`, :mod:`~clawpipe.proxy.config`).
 
 Raw ``asyncio`` protocols on uvloop (when installed), no web framework: the proxy's CPU per call is the
 figure that matters (bench/proxy_overhead.py).
@@ -20,20 +28,18 @@ import json
 import logging
 import os
 import secrets
-import signal
 import threading
 import time
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from clawpipe.errors import ClawpipeError, ConfigError, KeyVerificationError
 from clawpipe.keys import RolloutKey, verify_key
-from clawpipe.proxy import wire
+from clawpipe.proxy import respond, wire
 from clawpipe.proxy.admin import handle_admin
-from clawpipe.proxy.conn import Call, ClientConn
+from clawpipe.proxy.call import Call
+from clawpipe.proxy.config import ProxyConfig
+from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.limits import MAX_POLICY_VERSION, BodyBudget, valid_policy_version
 from clawpipe.proxy.outcome import Outcome, judge
 from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, prepare_body
@@ -43,56 +49,6 @@ from clawpipe.proxy.upstream import Replica
 log = logging.getLogger(__name__)
 
 TOKEN_IDS_KEY = b'"token_ids"'
-
-
-@dataclass
-class ProxyConfig:
-    """Settings of one proxy instance (CLI flags map one to one)."""
-
-    upstreams: Sequence[str]
-    capture_dir: str | os.PathLike[str]
-    host: str = "127.0.0.1"
-    port: int = 0
-    secret: bytes | None = None  # None: Settings().secret()
-    admin_token: str | None = None  # None: Settings().admin()
-    instance: str | None = None  # segment name prefix; default p<pid>-<random>
-    max_body_bytes: int = 32 << 20
-    max_buffered_bytes: int = 128 << 20  # request bodies still being received, all connections together
-    max_response_bytes: int = 256 << 20  # a larger upstream response ends the call as an upstream error
-    max_connections: int = 4096  # open client connections; more get a 503
-    max_upstream_conns: int = 256  # connections per upstream replica; more calls wait for one
-    header_timeout_s: float = 30.0  # a request head (from connect or its first byte), and any pause in a body
-    idle_timeout_s: float = 120.0  # a keep-alive connection with no request for this long is closed
-    upstream_timeout_s: float = 600.0  # max silence from the upstream (before the head and between bytes)
-    connect_timeout_s: float = 5.0
-    pause_wait_s: float = 120.0  # how long a new call waits during a pause before a 503
-    drain_timeout_s: float = 120.0  # how long /admin/pause and shutdown wait for in-flight calls
-    segment_max_bytes: int = 64 << 20
-    segment_max_age_s: float = 300.0
-    fsync: bool = True
-    tokenizer_dir: str | os.PathLike[str] | None = None
-    policy_version: int = 0
-    upstream_api_key: str | None = None  # sent as Bearer to the upstream (vLLM --api-key)
-    ready_file: str | os.PathLike[str] | None = None  # run_proxy writes the base URL here once listening
-
-    def __post_init__(self) -> None:
-        if not self.upstreams:
-            raise ConfigError("give at least one upstream (--upstream http://HOST:PORT)")
-        positive = (
-            "max_body_bytes",
-            "max_buffered_bytes",
-            "max_response_bytes",
-            "max_connections",
-            "max_upstream_conns",
-            "header_timeout_s",
-            "idle_timeout_s",
-            "upstream_timeout_s",
-        )
-        bad = [name for name in positive if not getattr(self, name) > 0]
-        if bad:
-            raise ConfigError(f"proxy settings {bad} must be positive")
-        if not valid_policy_version(self.policy_version):
-            raise ConfigError(f"policy_version must be an integer in [0, {MAX_POLICY_VERSION}]")
 
 
 class ProxyServer:
@@ -542,32 +498,7 @@ class ProxyServer:
                 self.stats["no_ids"] += 1
         header["t_end"] = time.time()
         ok = await self._capture(header, req.body, response)
-        keep = req.keep_alive
-        if outcome == "cancelled" or conn.closed:
-            conn.finish(False)
-            return
-        if call.streaming:
-            if ok and outcome == "end":
-                conn.write(b"".join(call.held) + (b"0\r\n\r\n" if call.chunked else b""))
-                conn.finish(keep and call.chunked)
-            else:
-                conn.finish(False)  # an unterminated stream tells the client it is incomplete
-            return
-        if not ok:
-            conn.write(wire.error_response(500, "capture failed; the call was not recorded", anthropic=anthropic))
-            conn.finish(False)
-            return
-        if outcome == "end":
-            headers = call.resp_headers
-            if not keep:
-                headers = [*headers, (b"connection", b"close")]
-            conn.write(wire.response_head(call.status, headers, length=len(response)) + response)
-        else:
-            extra = [(b"content-type", b"application/json")]
-            if not keep:
-                extra.append((b"connection", b"close"))
-            conn.write(wire.response_head(header["http_status"], extra, length=len(response)) + response)
-        conn.finish(keep)
+        respond.after_call(conn, call, ok, req.keep_alive, header["http_status"], response, anthropic=anthropic)
 
     async def _exchange(self, rep: Replica, raw: bytes, call: Call, conn: ClientConn) -> bool:
         """Send one request to a replica; False when it could not be reached (try the next replica)."""
@@ -606,12 +537,7 @@ class ProxyServer:
         header["t_end"] = time.time()
         log.warning("call failed rollout_id=%s status=%d error=%s", header["rollout_id"], status, msg)
         await self._capture(header, req.body, body)
-        keep = req.keep_alive
-        headers = [(b"content-type", b"application/json")]
-        if not keep:
-            headers.append((b"connection", b"close"))
-        conn.write(wire.response_head(status, headers, length=len(body)) + body)
-        conn.finish(keep)
+        respond.send_json(conn, status, body, req.keep_alive)
 
     async def _capture(self, header: dict[str, Any], request: bytes, response: bytes) -> bool:
         """Record one call durably and count it by status; False when the record could not be written."""
@@ -720,21 +646,6 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _raise_fd_limit(wanted: int) -> None:
-    """Raise the soft descriptor limit toward the hard one, so the connection caps, not the default soft
-    limit (often 1024), decide when the proxy refuses connections."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted + 256  # segments, logs, the listening socket
-    if soft != resource.RLIM_INFINITY and soft < target:
-        new = target if hard == resource.RLIM_INFINITY else min(hard, target)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        if new < target:
-            log.warning("descriptor limit %d is below the proxy's connection caps (%d); raise ulimit -n", new, wanted)
-
-
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's loop when installed (lower CPU per call), else asyncio's."""
     try:
@@ -742,29 +653,3 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     except ImportError:
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
-
-
-def run_proxy(config: ProxyConfig | None = None, /, **kwargs: Any) -> None:
-    """Run a proxy in the foreground until SIGINT/SIGTERM; logs its URL on start."""
-    proxy = ProxyServer(config, **kwargs)
-    _raise_fd_limit(proxy.config.max_connections + len(proxy.config.upstreams) * proxy.config.max_upstream_conns)
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-
-    async def main() -> None:
-        await proxy.open()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, proxy.request_stop)
-        if proxy.config.ready_file:
-            tmp = Path(f"{proxy.config.ready_file}.tmp")
-            tmp.write_text(proxy.url)
-            tmp.replace(proxy.config.ready_file)  # readers never see a half-written URL
-        assert proxy._stop_event is not None
-        await proxy._stop_event.wait()
-        await proxy.close()
-
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()

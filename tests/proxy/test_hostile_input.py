@@ -77,7 +77,7 @@ def test_an_upstream_with_a_negative_chunk_size_is_a_502(make_proxy: Any) -> Non
 
 def test_end_markers_inside_generated_text_do_not_hold_the_stream() -> None:
     """Only a stream's real last event (at the start of an SSE line, even split across reads) holds bytes."""
-    from clawpipe.proxy.conn import Call
+    from clawpipe.proxy.call import Call
 
     class Client:
         def __init__(self) -> None:

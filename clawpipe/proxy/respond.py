@@ -1,0 +1,45 @@
+"""Writing a call's answer to its client once the call's record is durable (or failed to be)."""
+
+from __future__ import annotations
+
+from clawpipe.proxy import wire
+from clawpipe.proxy.call import Call
+from clawpipe.proxy.conn import ClientConn
+
+
+def after_call(
+    conn: ClientConn, call: Call, recorded: bool, keep: bool, status: int, response: bytes, *, anthropic: bool
+) -> None:
+    """Answer a forwarded call: its held stream end, or its whole response (the upstream's, or the error
+    body the proxy recorded in its place), then go on with the connection's next request or close it."""
+    if call.outcome == "cancelled" or conn.closed:
+        conn.finish(False)
+        return
+    if call.streaming:
+        if recorded and call.outcome == "end":
+            conn.write(b"".join(call.held) + (b"0\r\n\r\n" if call.chunked else b""))
+            conn.finish(keep and call.chunked)
+        else:
+            conn.finish(False)  # an unterminated stream tells the client it is incomplete
+        return
+    if not recorded:
+        conn.write(wire.error_response(500, "capture failed; the call was not recorded", anthropic=anthropic))
+        conn.finish(False)
+        return
+    if call.outcome == "end":
+        headers = call.resp_headers
+        if not keep:
+            headers = [*headers, (b"connection", b"close")]
+        conn.write(wire.response_head(call.status, headers, length=len(response)) + response)
+        conn.finish(keep)
+        return
+    send_json(conn, status, response, keep)
+
+
+def send_json(conn: ClientConn, status: int, body: bytes, keep: bool) -> None:
+    """Answer with a JSON body the proxy made (an error in the API's shape)."""
+    headers = [(b"content-type", b"application/json")]
+    if not keep:
+        headers.append((b"connection", b"close"))
+    conn.write(wire.response_head(status, headers, length=len(body)) + body)
+    conn.finish(keep)
