@@ -12,7 +12,7 @@ Public API:
 from __future__ import annotations
 
 from clawpipe.trees.forest import SCOPES, Forest, build_forest, tree_id_of
-from clawpipe.trees.prefix_tree import CAUSES
+from clawpipe.trees.labels import CAUSES
 from clawpipe.trees.reconstruct import BuildSummary, build_iteration, build_trees
 
 __all__ = [
