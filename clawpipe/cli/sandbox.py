@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -179,8 +181,13 @@ def harness_list(
 def harness_check(
     name: str = typer.Argument(..., help="Harness name or folder."),
     harness_dir: list[Path] = typer.Option([], "--harness-dir", help="Extra folder holding <name>/harness.toml."),
+    transcript: Path | None = typer.Option(
+        None, "--transcript", help="A sample out/transcript.json to check against each task set's contract."
+    ),
+    tasks: list[str] = typer.Option([], "--tasks", help="Task set(s) for --transcript (default: the manifest's)."),
 ) -> None:
-    """Validate one manifest and print what the runner will execute."""
+    """Validate one manifest and print what the runner will execute; with --transcript, check a sample
+    transcript against the transcript contract of each task set the harness plays (exit 1 on a problem)."""
     from clawpipe.sandbox import find_harness
     from clawpipe.sandbox.backends.base import INNER_HARNESS
     from clawpipe.sandbox.manifest import default_harness_dirs
@@ -195,6 +202,74 @@ def harness_check(
     state = packages_state(m.dir)
     if state is not None:
         typer.echo(f"  packages: {state}")
+    if transcript is not None:
+        failed = [name for name in tasks or m.task_sets if not check_transcript(transcript, name)]
+        if failed:
+            typer.secho(f"{transcript}: does not follow the transcript contract of {failed}", fg="red")
+            raise typer.Exit(1)
+
+
+def transcript_contract(task_set: object) -> str:
+    """The "Transcript contract" part of the task set's module docstring ('' when it states none): its
+    first paragraph and the list items that follow it."""
+    doc = getattr(sys.modules.get(type(task_set).__module__), "__doc__", None) or ""
+    start = doc.find("Transcript contract")
+    if start < 0:
+        return ""
+    paragraphs = doc[start:].split("\n\n")
+    kept = [paragraphs[0]] + [p for p in paragraphs[1:2] if p.lstrip().startswith("- ")]
+    return "\n\n".join(kept).strip()
+
+
+def transcript_problems(data: dict[str, Any]) -> list[str]:
+    """Where a transcript breaks the shape every transcript contract shares (clawpipe.tasks module docs):
+    ``turns`` one object per model call with ``reply`` (the call's text) and an optional string ``answer``;
+    an optional string ``final``."""
+    turns = data.get("turns")
+    if not isinstance(turns, list):
+        return ["`turns` must be a list with one entry per model call"]
+    problems = [] if turns else ["`turns` is empty: it needs one entry per model call"]
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            problems.append(f"turns[{i}] must be an object (verifiers skip anything else)")
+            continue
+        if not isinstance(turn.get("reply"), str):
+            problems.append(f"turns[{i}].reply must be the call's text, a string ('' when it only called tools)")
+        if "answer" in turn and not isinstance(turn["answer"], str):
+            problems.append(f"turns[{i}].answer must be a string when present (else the reply is read)")
+    if "final" in data and not isinstance(data["final"], str):
+        problems.append("`final` must be a string when present")
+    return problems
+
+
+def check_transcript(path: Path, task_set_name: str) -> bool:
+    """Check the sample transcript at ``path`` against task set ``task_set_name``'s contract and score it on
+    one generated instance; prints what it finds and returns whether it follows the contract."""
+    import tempfile
+
+    from clawpipe.tasks import get_task_set, read_transcript
+    from clawpipe.tasks.check import needs_sandbox
+
+    ts = get_task_set(task_set_name)
+    contract = transcript_contract(ts)
+    typer.echo(f"  transcript vs {ts.name}: {contract.splitlines()[0] if contract else 'no contract stated'}")
+    if contract.startswith("Transcript contract: none"):
+        typer.echo(f"    {ts.name} reads no transcript: nothing to check")
+        return True
+    with tempfile.TemporaryDirectory(prefix="clawpipe-transcript-") as tmp:
+        workdir = Path(tmp)
+        [task] = ts.generate(1, 0)
+        ts.prepare(task, workdir)
+        (workdir / "out").mkdir(exist_ok=True)
+        shutil.copyfile(path, workdir / "out" / "transcript.json")
+        data, reason = read_transcript(workdir)
+        problems = [reason] if data is None else transcript_problems(data)
+        for problem in problems:
+            typer.secho(f"    {problem}", fg="red")
+        if data is not None and not needs_sandbox(ts):  # a verifier that runs work-dir code never runs here
+            reward, info = ts.verify(task, workdir)
+            typer.echo(f"    on {task['task_id']}: reward {reward:.3f} {json.dumps(info)[:300]}")
+    return not problems
 
 
 def packages_state(folder: Path) -> str | None:

@@ -1,0 +1,65 @@
+"""`clawpipe harness check --transcript`: a sample transcript against each task set's transcript contract."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from clawpipe.cli import app
+from clawpipe.cli.sandbox import transcript_contract
+from clawpipe.tasks import get_task_set
+
+
+def check(tmp_path: Path, transcript: object | str, *tasks: str) -> tuple[int, str]:
+    path = tmp_path / "transcript.json"
+    path.write_text(transcript if isinstance(transcript, str) else json.dumps(transcript))
+    args = ["harness", "check", "tool-agent", "--transcript", str(path)]
+    for name in tasks:
+        args += ["--tasks", name]
+    out = CliRunner().invoke(app, args)
+    return out.exit_code, out.output
+
+
+def test_a_transcript_that_follows_the_contract_passes_and_is_scored(tmp_path: Path) -> None:
+    sample = {"turns": [{"reply": "50", "answer": "50"}, {"reply": "I guess 25"}], "final": "25"}
+    code, output = check(tmp_path, sample, "guess", "calc")
+    assert code == 0, output
+    assert "transcript vs guess: Transcript contract (``out/transcript.json``" in output
+    assert "transcript vs calc: Transcript contract" in output
+    assert output.count(": reward ") == 2, "scored by each verifier on one generated instance"
+
+
+def test_broken_turns_are_named(tmp_path: Path) -> None:
+    sample = {"turns": [{"reply": "50"}, "not an object", {"reply": None, "answer": 50}], "final": 7}
+    code, output = check(tmp_path, sample, "guess")
+    assert code == 1
+    for problem in (
+        "turns[1] must be an object",
+        "turns[2].reply must be the call's text, a string",
+        "turns[2].answer must be a string when present",
+        "`final` must be a string when present",
+        "does not follow the transcript contract of ['guess']",
+    ):
+        assert problem in output, (problem, output)
+    code, output = check(tmp_path, {"final": "3"}, "calc")
+    assert code == 1 and "`turns` must be a list with one entry per model call" in output
+
+
+def test_unusable_transcript_gets_the_verifiers_reason(tmp_path: Path) -> None:
+    code, output = check(tmp_path, '{"turns": [], "turns": []}', "guess")
+    assert code == 1 and "transcript.json is unusable" in output and "duplicate" in output.lower()
+    code, output = check(tmp_path, "[1, 2]", "guess")
+    assert code == 1 and "is not a JSON object" in output
+
+
+def test_fixit_reads_no_transcript(tmp_path: Path) -> None:
+    code, output = check(tmp_path, {"anything": True}, "fixit")
+    assert code == 0 and "fixit reads no transcript: nothing to check" in output
+
+
+def test_contract_text_comes_from_the_task_set_docs() -> None:
+    calc = transcript_contract(get_task_set("calc"))
+    assert calc.startswith("Transcript contract") and "- ``turns``" in calc and "Reward:" not in calc
+    assert transcript_contract(get_task_set("fixit")).startswith("Transcript contract: none")
