@@ -75,7 +75,9 @@ def train(
         f"policy_version {result.policy_version} -> {result.checkpoint_dir}\n"
         f"loss {m.get('loss/total', float('nan')):.4f}  reward {m.get('reward/mean', float('nan')):.3f}  "
         f"tokens {int(m.get('tokens/flattened', 0))} flattened / {int(m.get('tokens/unique', 0))} unique  "
-        f"{m.get('time/step_s', 0):.2f} s"
+        f"{m.get('time/step_s', 0):.2f} s\n"
+        f"micro-batches {int(m.get('micro_batches', 0))}, largest {int(m.get('tokens/largest_micro_batch', 0))} tokens "
+        f"(target {cfg.max_tokens_per_micro_batch}; a longer path gets a micro-batch of its own)"
     )
 
 

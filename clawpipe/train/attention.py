@@ -17,6 +17,9 @@ Attention work is the sum over tokens of the keys each one sees (what the flat c
 unique token); memory is the row's q/k/v, one gathered context per branching segment and a
 ``block x longest keys`` mask, never ``n x n``.
 
+Why not flex attention with a block mask: with torch 2.13 its backward raises NotImplementedError on CPU
+("FlexAttention does not support backward on CPU"), so it cannot train here.
+
 Used through transformers' attention registry: the model's config switches to ``clawpipe_tree`` for the
 packed forward (and its backward, where activation checkpointing recomputes layers), and the decoder
 receives ``attention_mask={"full_attention": TreeAttention}`` (a dict is passed to the layers unchanged,

@@ -13,7 +13,8 @@ contributions live there) and repeat, as plain context, the ancestors they need,
 exactly its own prefix, as in the flat computation. A tree whose longest path L is longer than the target
 is cut into pieces of up to L + target tokens instead (the path, plus up to a target's worth of branches
 sharing its context, which would otherwise repeat that context), and such a piece goes into a micro-batch
-of its own: a path is never an error, and a micro-batch exceeds the target only where a path forces it.
+of its own: a path is never an error, and a micro-batch above the target holds one piece of one tree whose
+longest path is above the target.
 Why a micro-batch of its own rather than chunks that carry the context's keys and values: the whole path
 then runs through the model's ordinary forward and backward (gradients reach the context through
 attention as usual, with nothing held across separate backward passes), the loss stays exactly the flat

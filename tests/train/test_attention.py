@@ -99,3 +99,41 @@ def test_a_long_path_packs_into_one_masked_free_micro_batch():
     (mb,) = pack_trees(batch, 64, block=32)
     assert mb.n_tokens == 601 and mb.attention_mask is None and mb.tree is not None
     assert [s.context for s in mb.tree.segments] == [[], [(0, 520)]]
+
+
+def saved_bytes(parent: np.ndarray) -> int:
+    """Bytes the autograd graph of one tree-attention forward keeps for backward (distinct storages)."""
+    n = len(parent)
+    plan = build_plan(parent, block=64)
+    q = torch.randn(1, 4, n, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(2))
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tree_attention_forward(_Attn(), q, k, v, plan)
+    return sum(kept.values())
+
+
+def trunk_and_two_branches(trunk: int, branch: int) -> np.ndarray:
+    parent = [-1, *range(trunk - 1), trunk - 1, *range(trunk, trunk + branch - 1)]
+    parent += [trunk - 1, *range(len(parent), len(parent) + branch - 1)]
+    return np.asarray(parent)
+
+
+@pytest.mark.parametrize("shape", ["chain", "trunk and long branches"])
+def test_memory_kept_for_backward_grows_linearly(shape):
+    """Doubling the row doubles what attention keeps for backward (a dense mask or score matrix would
+    quadruple): no n x n tensor, also where a long branch attends to a shared trunk through block masks."""
+    if shape == "chain":
+        small, large = np.arange(2048) - 1, np.arange(4096) - 1
+    else:
+        small, large = trunk_and_two_branches(1000, 1500), trunk_and_two_branches(2000, 3000)
+    a, b = saved_bytes(small), saved_bytes(large)
+    assert len(large) == 2 * len(small)
+    assert 1.9 < b / a < 2.1, (a, b)
+    assert b / len(large) < 4 * 1024  # per token: q, k, v, output, gathered context, log-sum-exp

@@ -226,6 +226,28 @@ def test_publish_and_cli(home, tmp_path, policy_dir, reload_server, monkeypatch)
         train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=out, config=cfg)
 
 
+def test_cli_trains_paths_longer_than_the_micro_batch_target(home, tmp_path, policy_dir):
+    """Every path of the lake is longer than max_tokens_per_micro_batch: the step trains (each long path in a
+    micro-batch of its own) where it used to fail with 'a path of N tokens exceeds ...'."""
+    from clawpipe.cli import app
+    from clawpipe.config import get_settings
+
+    lake = Path(get_settings().lake_dir)
+    write_lake(lake, policy_dir)
+    cfg_file = tmp_path / "train.toml"
+    cfg_file.write_text("learning_rate = 1e-3\nmax_tokens_per_micro_batch = 16\n")
+    metrics = tmp_path / "m.json"
+    res = CliRunner().invoke(
+        app,
+        ["train", "--run", RUN, "--iteration", "0", "--config", str(cfg_file), "--policy", str(policy_dir),
+         "--out", str(tmp_path / "models"), "--no-track", "--metrics-out", str(metrics)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    m = json.loads(metrics.read_text())["metrics"]
+    assert m["tokens/largest_micro_batch"] > 16 and m["grad_norm"] > 0
+    assert f"largest {int(m['tokens/largest_micro_batch'])} tokens (target 16" in res.output
+
+
 def test_mlflow_tracker(home):
     from clawpipe.tracking import NullTracker, make_tracker
 
