@@ -267,11 +267,6 @@ class Bridge:
                 conn, _ = await loop.sock_accept(sock)
                 if route.open >= route.max_connections:
                     route.refused += 1
-                    if route.refused == 1:
-                        route.errors.append(
-                            f"sandbox opened more than {route.max_connections} connections at once; the bridge "
-                            "refused the rest"
-                        )
                     _reset(conn)
                     route._slot_free.clear()
                     with contextlib.suppress(TimeoutError):

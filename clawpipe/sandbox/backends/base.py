@@ -221,6 +221,11 @@ def detach_route(bridge: Bridge, route: Route, out: Outcome) -> None:
     out.notes.extend(route.errors)
     out.proxy_unreachable = route.unreachable
     out.refused = route.refused
+    if route.refused:
+        out.notes.append(
+            f"the bridge refused {route.refused} connections over the sandbox's cap of {route.max_connections} "
+            f"open at once (it held at most {route.peak_open})"
+        )
     bridge.detach(route)
 
 
