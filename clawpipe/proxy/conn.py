@@ -127,7 +127,7 @@ class ClientConn(asyncio.Protocol):
         elif self.phase in (HEAD, BODY) and now - self.since > cfg.header_timeout_s:
             what = "request head" if self.phase == HEAD else "rest of the request body"
             msg = f"the {what} did not arrive within {cfg.header_timeout_s:g} s"
-            self.write(wire.error_response(408, msg, anthropic=False, keep_alive=False))
+            self.write(wire.error_response(408, msg, anthropic=None, keep_alive=False))
             self.close()
             return True
         return False
@@ -250,7 +250,7 @@ class ClientConn(asyncio.Protocol):
 
     def _reject(self, status: int, message: str) -> None:
         """A request that cannot be framed: answer and close, never reading past it."""
-        self.write(wire.error_response(status, message, anthropic=False, keep_alive=False))
+        self.write(wire.error_response(status, message, anthropic=None, keep_alive=False))
         self._dropped = True
         self.close()
 
@@ -279,7 +279,7 @@ class ClientConn(asyncio.Protocol):
             "or start the proxy with a larger --max-connections"
         )
         assert self.transport is not None
-        self.transport.write(wire.error_response(503, msg, anthropic=False, keep_alive=False))
+        self.transport.write(wire.error_response(503, msg, anthropic=None, keep_alive=False))
         with contextlib.suppress(OSError, RuntimeError):
             self.transport.write_eof()  # the client reads the 503; its own close ends the connection
         self.proxy._loop.call_later(2.0, self.transport.abort)

@@ -634,6 +634,10 @@ class ProxyServer:
             segment=self.writer.current_segment,
             sealed_segments=len(self.writer.sealed),
             rss_bytes=_rss_bytes(),
+            connections=len(self._conns),
+            buffered_body_bytes=self.body_budget.used,
+            upstream_connections={r.url: r.open for r in self._replicas},
+            upstream_waiting={r.url: r.waiting for r in self._replicas},
         )
         return out
 

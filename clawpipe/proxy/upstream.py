@@ -357,6 +357,11 @@ class Replica:
         self._live.add(conn)
         return conn, False
 
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a connection."""
+        return len(self._waiters)
+
     def _wake(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()

@@ -134,8 +134,24 @@ def error_body(status: int, message: str, *, anthropic: bool, code: str | None =
     return json.dumps(obj).encode()
 
 
-def error_response(status: int, message: str, *, anthropic: bool, keep_alive: bool = True) -> bytes:
-    body = error_body(status, message, anthropic=anthropic)
+def error_body_any(status: int, message: str) -> bytes:
+    """An error body both SDKs read, for answers sent before the request's API is known (framing errors,
+    timeouts, the connection cap): Anthropic's shape with OpenAI's fields added to its ``error`` object."""
+    obj = {
+        "type": "error",
+        "error": {
+            "type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+            "message": message,
+            "param": None,
+            "code": str(status),
+        },
+    }
+    return json.dumps(obj).encode()
+
+
+def error_response(status: int, message: str, *, anthropic: bool | None, keep_alive: bool = True) -> bytes:
+    """A complete error response; ``anthropic=None`` when the API is not known (:func:`error_body_any`)."""
+    body = error_body_any(status, message) if anthropic is None else error_body(status, message, anthropic=anthropic)
     headers = [(b"content-type", b"application/json")]
     if not keep_alive:
         headers.append((b"connection", b"close"))

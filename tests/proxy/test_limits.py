@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 
@@ -103,10 +104,15 @@ def test_over_the_connection_limit_a_clear_503(make_proxy: Any, upstream) -> Non
     held = [socket.create_connection(_addr(proxy), timeout=10) for _ in range(8)]
     try:
         _wait(lambda: len(proxy.server._conns) == 8, 5, "connections not accepted")
+        assert proxy.server.snapshot_stats()["connections"] == 8
         r = _call(proxy, "over")
         assert r.status_code == 503
         msg = r.json()["error"]["message"]
         assert "limit of 8 open connections" in msg and "--max-connections" in msg
+        client = anthropic.Anthropic(base_url=proxy.anthropic_base("over"), api_key="x", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as err:  # both SDKs read the error's message
+            client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+        assert err.value.status_code == 503 and "limit of 8 open connections" in str(err.value)
     finally:
         for s in held:
             s.close()
