@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 os-deps:
 	@bash scripts/os_deps.sh
 
-# Real CLI agents (Claude Code, Codex CLI, Qwen Code) from npm into .node/; quick when already there.
+# Real CLI agents (Claude Code, Codex CLI, Qwen Code, OpenClaw; pins in harnesses/*/cli.toml) from npm into .node/, each on the Node it needs; quick when already there.
 cli-harnesses:
 	@bash scripts/install_cli_harnesses.sh
 

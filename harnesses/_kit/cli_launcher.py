@@ -1,6 +1,6 @@
 """The launcher of the real-CLI harnesses, driven by a harness folder's cli.toml (and harness.toml).
 
-Each real-CLI harness folder (harnesses/claude-code, codex, qwen-code) has a two-line ``launch.py`` that
+Each real-CLI harness folder (harnesses/claude-code, codex, qwen-code, openclaw) has a two-line ``launch.py`` that
 calls :func:`main` with its own folder; run with cwd = the rollout work dir (``python3 launch.py``,
 resolved against the harness dir). It:
 
