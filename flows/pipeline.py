@@ -1,5 +1,7 @@
 """The pipeline flow: for each iteration rollout -> land -> reconstruct -> train -> publish -> evaluate.
 
+With ``mode = "async"`` the flow runs flows/async_loop.py's producer and trainer subflows at once instead.
+
 Run it with ``clawpipe run`` (or ``python -m flows.pipeline``). Each stage is a Prefect task around a
 plain library function of clawpipe.pipeline.stages, with retries and timeouts declared here; each
 iteration is a subflow named ``<run_id>-it<N>``; per-iteration artifacts hold the reward per harness and
@@ -180,6 +182,11 @@ def pipeline(cfg: PipelineConfig | None = None, run_id: str | None = None, resum
     cfg = PipelineConfig.model_validate(state.config)
     t0 = time.perf_counter()
     with PeakMemory() as memory, stages.run_services(cfg, settings, state) as services:
+        if cfg.mode == "async":
+            from flows.async_loop import run_async
+
+            logger.info("== async: producer and trainer from iteration %d of %d", state.next_iteration, cfg.iterations)
+            run_async(cfg, state, services.endpoints(), memory)
         for iteration in range(state.next_iteration, cfg.iterations):
             logger.info("== iteration %d/%d of %s", iteration + 1, cfg.iterations, state.run_id)
             summary = iteration_flow(cfg, state.run_id, iteration, state.position(), services.endpoints())

@@ -70,6 +70,19 @@ class PipelineConfig(BaseModel):
         "mean shows learning long before greedy decoding of a small policy does.",
     )
     eval_every: int = Field(default=5, ge=1, description="Evaluate every N iterations (and after the last).")
+    mode: Literal["sync", "async"] = Field(
+        default="sync",
+        description="sync: each iteration rolls out, then trains. async: a rollout producer keeps rolling out "
+        "against the current policy while the trainer takes each landed batch (flows/async_loop.py).",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="async: the oldest trained call is this many policy versions behind the policy being "
+        "trained; older calls are dropped and counted. The producer runs at most max(1, max_staleness) batches "
+        "ahead of the trainer.",
+    )
     seed: int = Field(default=0, description="Seed of task sampling and the default policy.")
     backend: Literal["bwrap", "docker", "process"] = Field(default="bwrap", description="Sandbox backend.")
     concurrency: int = Field(default=8, ge=1, le=1024, description="Sandboxes running at once (global limit).")

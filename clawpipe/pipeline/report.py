@@ -53,6 +53,22 @@ def iteration_metrics(summary: dict[str, Any]) -> dict[str, float]:
             metrics[name] = summary[key]
     for harness, v in (summary["eval_by_harness"] or {}).items():
         metrics[f"eval/reward/{harness}"] = v["reward_mean"]
+    metrics.update(overlap_metrics(summary.get("overlap")))
+    return metrics
+
+
+def overlap_metrics(overlap: dict[str, Any] | None) -> dict[str, float]:
+    """An async step's staleness and waits: calls per age (``staleness/age_<a>``, the step's histogram),
+    calls trained and dropped, oldest and mean trained age, and the seconds each side waited for the other."""
+    if not overlap:
+        return {}
+    metrics = {f"staleness/age_{age}": float(n) for age, n in overlap["ages"].items()}
+    for key in ("trained_calls", "dropped_calls", "max_age", "mean_age"):
+        metrics[f"staleness/{key}"] = float(overlap[key])
+    metrics["staleness/skipped_step"] = float(bool(overlap.get("skipped")))
+    for key in ("trainer_wait_s", "producer_wait_s"):
+        if overlap.get(key) is not None:
+            metrics[f"wait/{key[:-7]}_s"] = float(overlap[key])
     return metrics
 
 
@@ -106,6 +122,13 @@ def final_summary(state: RunState, seconds: float) -> dict[str, Any]:
     last3 = sum(tail) / len(tail) if tail else 0.0
     evals = [s["eval_sampled_reward_mean"] for s in its if s.get("eval_sampled_reward_mean") is not None]
     held_out = f"held-out (sampled) first {evals[0]:.3f} -> last {evals[-1]:.3f}; " if evals else ""
+    steps = [s["overlap"] for s in its if s.get("overlap")]
+    if steps:
+        dropped = sum(o["dropped_calls"] for o in steps)
+        held_out += (
+            f"async: oldest trained call {max(o['max_age'] for o in steps)} versions behind, {dropped} stale calls "
+            f"dropped, trainer waited {sum(o['trainer_wait_s'] for o in steps):.0f} s; "
+        )
     md = (
         f"# clawpipe run {state.run_id}\n\n" + "\n".join(lines) + "\n\n"
         f"reward first {first:.3f} -> last {last:.3f} ({change(first, last)}; mean of the last 3 iterations "

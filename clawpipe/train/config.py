@@ -85,6 +85,12 @@ class TrainConfig(BaseModel):
         "start (decoupled PPO) and multiplied by the truncated importance weight min(pi_prox/pi_behaviour, tis_cap) "
         "(Yao et al. 2025, 'Your efficient RL framework secretly brings you off-policy RL training').",
     )
+    min_policy_version: int = Field(
+        0,
+        ge=0,
+        description="Calls sampled by a policy_version below this are dropped (counted as calls_stale_dropped): "
+        "the async pipeline's bound on how stale a trained call may be.",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (loss -= coef x entropy).")
     kl_coef: float = Field(
         0.0,

@@ -85,11 +85,14 @@ def load_trees(
 
     links: dict[str, list[dict]] = defaultdict(list)
     stats["side_calls_excluded"] = 0
+    stats["calls_stale_dropped"] = 0
     for c in calls.to_pylist():
         if side and (c["call_id"], int(c["choice_index"] or 0)) in side:
             stats["side_calls_excluded"] += 1
         elif c["rollout_id"] in skipped_rollouts:
             stats["calls_skipped_status"] += 1
+        elif (c["policy_version"] or 0) < config.min_policy_version:
+            stats["calls_stale_dropped"] += 1
         elif not _logprobs_ok(c):
             stats["calls_without_logprobs"] += 1
         elif c["tree_id"] is None:

@@ -1,0 +1,123 @@
+"""Bookkeeping of the async loop (flows/async_loop.py): who may go on, what landed, how stale each call is.
+
+The rollout producer and the trainer meet at the lake: the trainer takes iteration k once every group of
+batch k has landed complete (``landed_batch``), and counts the calls it trains by age, the number of policy
+versions between the policy that sampled a call and the policy being trained (``call_ages``). The producer
+meets the trainer at the run state: it starts batch b only while b is at most ``lookahead`` batches ahead
+of the steps trained, so no call can be staler than the bound unless the bound is 0 (then the part of a
+batch that was sampled before the last publish is dropped and counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawpipe.config import Settings
+from clawpipe.errors import ClawpipeError
+from clawpipe.pipeline.config import PipelineConfig
+from clawpipe.pipeline.state import RunState
+
+
+def lookahead(cfg: PipelineConfig) -> int:
+    """Batches the producer may run ahead of the trainer: max_staleness, and at least 1 (else there is no
+    overlap; with max_staleness 0 the calls sampled before the last publish are dropped instead)."""
+    return max(1, cfg.max_staleness)
+
+
+def expected_groups(cfg: PipelineConfig) -> int:
+    """Training groups in one batch: each harness's groups."""
+    return sum(h.groups or cfg.groups for h in cfg.harnesses)
+
+
+@dataclass
+class Overlap:
+    """What the producer and the trainer of one run share in the flow's process.
+
+    ``state`` is the run state the trainer advances (steps trained, current policy); the producer reads it.
+    ``stop`` is set when either side fails, so the other stops at its next wait instead of waiting forever.
+    """
+
+    cfg: PipelineConfig
+    state: RunState
+    landed: set[int] = field(default_factory=set)  # batches the producer landed in this process
+    producer_wait_s: dict[int, float] = field(default_factory=dict)
+    stop: str | None = None
+
+    @property
+    def trained(self) -> int:
+        return self.state.next_iteration
+
+    def may_start(self, batch: int) -> bool:
+        return batch - self.trained <= lookahead(self.cfg)
+
+    def check(self) -> None:
+        if self.stop:
+            raise ClawpipeError(f"async loop stopped: {self.stop}")
+
+
+def landed_batch(settings: Settings, cfg: PipelineConfig, run_id: str, iteration: int) -> list[dict[str, Any]] | None:
+    """The batch's rollout rows (latest attempt each) once every group has all its samples in the lake;
+    None while some group is missing or short."""
+    from clawpipe.sqlfiles import sql_text
+    from clawpipe.tables import connect
+
+    con = connect(settings.lake_dir, tables=("rollouts",))
+    params = {"run_id": run_id, "iteration": int(iteration)}
+    try:
+        groups = con.sql(sql_text("pipeline/landed_groups"), params=params).fetchall()
+        if len(groups) < expected_groups(cfg) or any(n < cfg.samples for _, n in groups):
+            return None
+        return con.sql(sql_text("train/rollouts"), params=params).to_arrow_table().to_pylist()
+    finally:
+        con.close()
+
+
+def call_ages(settings: Settings, run_id: str, iteration: int, policy_version: int) -> dict[int, int]:
+    """Trainable calls of the iteration by age (policy versions behind ``policy_version``)."""
+    from clawpipe.sqlfiles import sql_text
+    from clawpipe.tables import connect
+
+    con = connect(settings.lake_dir, tables=("model_calls",))
+    try:
+        rows = con.sql(
+            sql_text("pipeline/call_ages"), params={"run_id": run_id, "iteration": int(iteration)}
+        ).fetchall()
+    finally:
+        con.close()
+    ages: dict[int, int] = {}
+    for version, n in rows:
+        age = policy_version - int(version or 0)
+        ages[age] = ages.get(age, 0) + int(n)
+    return ages
+
+
+def staleness(ages: dict[int, int], max_staleness: int) -> dict[str, Any]:
+    """The step's staleness record: calls per age (every age from 0 to the oldest, zeros included, so the
+    MLflow histogram has no holes), calls kept and dropped, the oldest kept age and the mean kept age."""
+    kept = {a: n for a, n in ages.items() if a <= max_staleness}
+    n_kept = sum(kept.values())
+    oldest = max(ages, default=0)
+    return {
+        "ages": {str(a): ages.get(a, 0) for a in range(min(0, min(ages, default=0)), oldest + 1)},
+        "trained_calls": n_kept,
+        "dropped_calls": sum(n for a, n in ages.items() if a > max_staleness),
+        "max_age": max((a for a, n in kept.items() if n), default=0),
+        "mean_age": sum(a * n for a, n in kept.items()) / n_kept if n_kept else 0.0,
+    }
+
+
+def take_batch(overlap: Overlap, settings: Settings, run_id: str, iteration: int) -> list[dict[str, Any]] | None:
+    """Batch ``iteration``'s rollout rows once the producer has landed it and the lake holds every group
+    complete; None while it has not landed. Raises when either side stopped, or when the batch landed with a
+    group missing or short (training it would bias the group baselines)."""
+    overlap.check()
+    if iteration not in overlap.landed:
+        return None
+    rows = landed_batch(settings, overlap.cfg, run_id, iteration)
+    if rows is None:
+        raise ClawpipeError(
+            f"batch {iteration} of run {run_id} landed with fewer than {expected_groups(overlap.cfg)} complete "
+            f"groups of {overlap.cfg.samples} rollouts: see `clawpipe sql` on rollouts where iteration = {iteration}"
+        )
+    return rows

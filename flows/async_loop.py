@@ -1,0 +1,178 @@
+"""The async loop (``mode = "async"``): a rollout producer flow and a trainer flow running at once.
+
+``rollout-producer`` rolls out batch after batch against whatever policy is published, landing each batch
+into the lake; it runs at most max(1, max_staleness) batches ahead of the trainer. ``trainer`` takes batch k
+once the lake holds all its groups complete, and runs a ``<run_id>-step<k>`` subflow: reconstruct, count the
+calls by staleness, train on the calls at most ``max_staleness`` versions old (the rest dropped and counted),
+publish (the proxy lets in-flight calls finish on the old weights and stamps later ones with the new
+version), evaluate, report. Both flows are async Prefect subflows of the run's ``pipeline`` flow, gathered
+on one event loop; their blocking stages run as the same Prefect tasks as the sync loop's, in worker
+threads. A killed run resumes like a sync one: the run state counts trained steps, and re-running a batch
+skips the rollouts whose result rows exist (docs/ARCHITECTURE.md, "Async mode").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from clawpipe.config import get_settings
+from clawpipe.pipeline import overlap as ov
+from clawpipe.pipeline import report, stages
+from clawpipe.pipeline.config import PipelineConfig
+from clawpipe.pipeline.monitor import PeakMemory
+from flows.pipeline import (
+    land_batch,
+    publish_policy,
+    reconstruct_batch,
+    report_iteration,
+    rollout_batch,
+    train_policy,
+)
+
+POLL_S = 0.5
+_RUNS: dict[str, tuple[ov.Overlap, PeakMemory]] = {}  # run_id -> what its two flows share in this process
+
+
+def run_async(cfg: PipelineConfig, state: Any, services: dict[str, str], memory: PeakMemory) -> None:
+    """Run the producer and the trainer until the trainer has trained every iteration (blocking)."""
+    shared = ov.Overlap(cfg=cfg, state=state)
+    _RUNS[state.run_id] = (shared, memory)
+    try:
+        asyncio.run(_both(cfg, state.run_id, state.next_iteration, services))
+    finally:
+        _RUNS.pop(state.run_id, None)
+
+
+async def _both(cfg: PipelineConfig, run_id: str, start: int, services: dict[str, str]) -> None:
+    shared, _ = _RUNS[run_id]
+
+    async def side(name: str, coro: Any) -> None:
+        try:
+            await coro
+        except BaseException as exc:
+            shared.stop = shared.stop or f"{name} failed: {exc}"  # the other side stops at its next wait
+            raise
+
+    results = await asyncio.gather(
+        side("rollout producer", rollout_producer(cfg, run_id, start, services)),
+        side("trainer", trainer(cfg, run_id, start, services)),
+        return_exceptions=True,
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+def _name(kind: str) -> Any:
+    def name() -> str:
+        p = flow_run.parameters
+        step = f"{p['iteration']}" if "iteration" in p else ""
+        return f"{p['run_id']}-{kind}{step}"
+
+    return name
+
+
+@flow(name="rollout-producer", flow_run_name=_name("producer"), log_prints=False)
+async def rollout_producer(cfg: PipelineConfig, run_id: str, start: int, services: dict[str, str]) -> int:
+    """Roll out and land batches ``start`` .. iterations-1, each against the policy published when it starts."""
+    logger = get_run_logger()
+    shared, _ = _RUNS[run_id]
+    for batch in range(start, cfg.iterations):
+        t0 = time.monotonic()
+        while not shared.may_start(batch):
+            shared.check()
+            await asyncio.sleep(POLL_S)
+        shared.check()
+        waited = time.monotonic() - t0
+        shared.producer_wait_s[batch] = waited
+        version = shared.state.policy_version
+        logger.info("producer: batch %d at policy_version %d (waited %.1f s for the trainer)", batch, version, waited)
+        await asyncio.to_thread(rollout_batch, cfg, run_id, batch, version, services["proxy_url"])
+        await asyncio.to_thread(land_batch, batch)
+        shared.landed.add(batch)
+    return cfg.iterations - start
+
+
+@flow(name="trainer", flow_run_name=_name("trainer"), log_prints=False)
+async def trainer(cfg: PipelineConfig, run_id: str, start: int, services: dict[str, str]) -> int:
+    """Train iterations ``start`` .. iterations-1 in order, each once its batch is complete in the lake."""
+    logger = get_run_logger()
+    settings = get_settings()
+    shared, memory = _RUNS[run_id]
+    for iteration in range(start, cfg.iterations):
+        t0 = time.monotonic()
+        rows = None
+        while rows is None:
+            rows = await asyncio.to_thread(ov.take_batch, shared, settings, run_id, iteration)
+            if rows is None:
+                await asyncio.sleep(POLL_S)
+        waits = {"trainer_wait_s": time.monotonic() - t0, "producer_wait_s": shared.producer_wait_s.get(iteration)}
+        logger.info("trainer: batch %d complete in the lake (waited %.1f s)", iteration, waits["trainer_wait_s"])
+        summary = await asyncio.to_thread(
+            train_step, cfg, run_id, iteration, shared.state.position(), services, rows, waits
+        )
+        shared.state.complete(summary, peak_memory_mb=memory.peak_mb)
+        shared.state.save(settings.runs_dir)  # the producer reads the new policy and step count from here on
+    return cfg.iterations - start
+
+
+@flow(name="train-step", flow_run_name=_name("step"), log_prints=False)
+def train_step(
+    cfg: PipelineConfig,
+    run_id: str,
+    iteration: int,
+    position: dict[str, Any],
+    services: dict[str, str],
+    rollout_rows: list[dict[str, Any]],
+    waits: dict[str, float | None],
+) -> dict[str, Any]:
+    """One async training step on a landed batch: reconstruct, drop stale calls, train, publish, evaluate."""
+    logger = get_run_logger()
+    settings = get_settings()
+    t0 = time.perf_counter()
+    policy_dir, version, mlflow_run_id = position["policy_dir"], position["policy_version"], position["mlflow_run_id"]
+    stale = ov.staleness(ov.call_ages(settings, run_id, iteration, version), cfg.max_staleness)
+    logger.info(
+        "step %d at policy_version %d: calls by age %s, %d dropped (older than %d versions)",
+        iteration,
+        version,
+        stale["ages"],
+        stale["dropped_calls"],
+        cfg.max_staleness,
+    )
+    trees = reconstruct_batch(run_id, iteration, stages.landed_fingerprint(settings, run_id, iteration))
+    example = stages.render_example_tree(settings, run_id, iteration, tokenizer_dir=Path(policy_dir))
+    if stale["trained_calls"]:
+        bounded = dict(cfg.train, min_policy_version=max(0, version - cfg.max_staleness))
+        trained = train_policy(cfg.model_copy(update={"train": bounded}), run_id, iteration, policy_dir, mlflow_run_id)
+        version = publish_policy(services, trained["checkpoint"], int(trained["policy_version"]), cfg.engine)
+    else:  # every call was too stale: nothing to train, the policy stays
+        logger.warning("step %d: no call within max_staleness %d; step skipped", iteration, cfg.max_staleness)
+        trained = {"checkpoint": policy_dir, "policy_version": version, "metrics": {}}
+    evaluation = None
+    if stages.evaluates(cfg, iteration):
+        evaluation = rollout_batch(cfg, run_id, iteration, version, services["proxy_url"], evaluation=True)
+        land_batch(iteration)
+    summary = report.iteration_summary(
+        iteration,
+        rollouts=stages.summarize_results(rollout_rows),
+        trees=trees,
+        trained=trained,
+        policy_version=version,
+        evaluation=evaluation,
+        seconds=time.perf_counter() - t0,
+    )
+    summary["overlap"] = {
+        **stale,
+        **waits,
+        "trained_from": position["policy_version"],
+        "skipped": not stale["trained_calls"],
+    }
+    report_iteration(run_id, summary, mlflow_run_id, example)
+    return summary

@@ -1,0 +1,111 @@
+"""The async loop's bookkeeping without Prefect: the producer's gate, the staleness record of a step and the
+MLflow metrics it becomes, and the lake reads the trainer waits on (a real lake written by landing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clawpipe.errors import ClawpipeError, ConfigError
+from clawpipe.pipeline import overlap as ov
+from clawpipe.pipeline.config import PipelineConfig, load_config
+from clawpipe.pipeline.report import iteration_metrics
+from clawpipe.pipeline.state import RunState
+
+
+def _cfg(**kw: object) -> PipelineConfig:
+    return PipelineConfig(mode="async", groups=2, samples=2, **kw)  # type: ignore[arg-type]
+
+
+def test_async_mode_and_staleness_are_validated() -> None:
+    assert PipelineConfig().mode == "sync"
+    with pytest.raises(ConfigError, match="mode"):
+        load_config(None, mode="later")
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(None, max_staleness=-1)
+
+
+@pytest.mark.parametrize(("staleness", "ahead"), [(0, 1), (1, 1), (3, 3)])
+def test_producer_runs_at_most_lookahead_batches_ahead(staleness: int, ahead: int) -> None:
+    state = RunState(run_id="r", config={}, policy_dir="/p")
+    shared = ov.Overlap(cfg=_cfg(max_staleness=staleness), state=state)
+    assert [b for b in range(8) if shared.may_start(b)] == list(range(ahead + 1))
+    state.completed.append({})  # one step trained
+    assert [b for b in range(8) if shared.may_start(b)] == list(range(ahead + 2))
+
+
+def test_a_stopped_side_stops_the_other() -> None:
+    shared = ov.Overlap(cfg=_cfg(), state=RunState(run_id="r", config={}, policy_dir="/p"))
+    shared.check()
+    shared.stop = "trainer failed: boom"
+    with pytest.raises(ClawpipeError, match="trainer failed: boom"):
+        shared.check()
+
+
+def test_staleness_counts_ages_and_drops_the_excess() -> None:
+    record = ov.staleness({0: 5, 1: 3, 3: 2}, max_staleness=1)
+    assert record["ages"] == {"0": 5, "1": 3, "2": 0, "3": 2}  # no holes in the histogram
+    assert (record["trained_calls"], record["dropped_calls"], record["max_age"]) == (8, 2, 1)
+    assert record["mean_age"] == pytest.approx(3 / 8)
+    assert ov.staleness({2: 4}, max_staleness=0)["trained_calls"] == 0
+    assert ov.staleness({}, max_staleness=1)["ages"] == {"0": 0}
+
+
+def test_overlap_record_becomes_mlflow_metrics() -> None:
+    summary = {
+        "iteration": 2,
+        "reward_mean": 0.1,
+        "by_harness": {},
+        "seconds": 3.0,
+        "eval_by_harness": None,
+        "overlap": {
+            **ov.staleness({0: 5, 1: 3}, 1),
+            "trainer_wait_s": 1.5,
+            "producer_wait_s": None,
+            "skipped": False,
+        },
+    }
+    metrics = iteration_metrics(summary)
+    assert metrics["staleness/age_0"] == 5 and metrics["staleness/age_1"] == 3
+    assert metrics["staleness/dropped_calls"] == 0 and metrics["wait/trainer_s"] == 1.5
+    assert "wait/producer_s" not in metrics and metrics["staleness/skipped_step"] == 0
+    assert not any(k.startswith(("staleness/", "wait/")) for k in iteration_metrics({**summary, "overlap": None}))
+
+
+def test_take_batch_waits_for_landing_and_rejects_short_groups(tmp_path: Path, monkeypatch) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from clawpipe.config import Settings
+    from clawpipe.schemas import ROLLOUTS
+    from clawpipe.tables import partition_dir
+
+    monkeypatch.setenv("CLAWPIPE_HOME", str(tmp_path))
+    settings = Settings()
+    cfg = _cfg(harnesses=[{"name": "chat-loop", "task_set": "guess"}])
+    shared = ov.Overlap(cfg=cfg, state=RunState(run_id="r", config={}, policy_dir="/p"))
+    assert ov.take_batch(shared, settings, "r", 0) is None  # not landed by the producer yet
+
+    def write(rows: list[tuple[str, str]]) -> None:
+        d = partition_dir(settings.lake_dir, "rollouts", "r", 0)
+        d.mkdir(parents=True, exist_ok=True)
+        cols = {f.name: [None] * len(rows) for f in ROLLOUTS}
+        cols.update(
+            rollout_id=[r for r, _ in rows],
+            group_id=[g for _, g in rows],
+            run_id=["r"] * len(rows),
+            iteration=[0] * len(rows),
+            status=["succeeded"] * len(rows),
+            reward=[0.5] * len(rows),
+            harness=["chat-loop"] * len(rows),
+        )
+        pq.write_table(pa.table(cols, schema=ROLLOUTS), d / "part-0.parquet")
+
+    write([("g1.0", "g1"), ("g1.1", "g1"), ("g2.0", "g2")])
+    shared.landed.add(0)
+    with pytest.raises(ClawpipeError, match="fewer than 2 complete groups of 2"):
+        ov.take_batch(shared, settings, "r", 0)
+    write([("g1.0", "g1"), ("g1.1", "g1"), ("g2.0", "g2"), ("g2.1", "g2")])
+    rows = ov.take_batch(shared, settings, "r", 0)
+    assert rows is not None and sorted(r["rollout_id"] for r in rows) == ["g1.0", "g1.1", "g2.0", "g2.1"]
