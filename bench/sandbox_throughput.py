@@ -42,7 +42,7 @@ open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "answer.txt"), "w").write(reply
 def latency(backend_name: str, n: int, tmp: Path, proxy_url: str) -> list[float]:
     """Seconds from start to exit of a trivial harness through one backend's run()."""
     from clawpipe.sandbox import load_manifest
-    from clawpipe.sandbox.backends.base import SandboxJob, get_backend
+    from clawpipe.sandbox.backends import SandboxJob, get_backend
     from clawpipe.sandbox.bridge import Bridge
     from tests.sandbox.support import make_harness
 

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 from clawpipe.capture import append_result
 from clawpipe.errors import ConfigError, ManifestError, SandboxError
 from clawpipe.keys import mint_key
-from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob, get_backend
+from clawpipe.sandbox.backends import get_backend
+from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob
 from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
 from clawpipe.sandbox.fstree import Entry, walk
 from clawpipe.sandbox.limits import sandbox_connection_cap

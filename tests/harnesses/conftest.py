@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clawpipe.sandbox.backends.base import get_backend
+from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.verify import verify_rollout
 from clawpipe.tasks import get_task_set
 from tests.support.upstream import ScriptedUpstream

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from clawpipe.errors import ConfigError
-from clawpipe.sandbox.backends.base import Backend, get_backend
+from clawpipe.sandbox.backends import Backend, get_backend
 from clawpipe.sandbox.verify import verify_rollout
 from clawpipe.tasks import CheckRun, fixit, get_task_set, needs_sandbox, validate_task
 

@@ -127,7 +127,7 @@ DENIED_WRITE = {"PermissionError", "OSError", "FileNotFoundError", "IsADirectory
 VERIFY = """
 import json, sys
 from pathlib import Path
-from clawpipe.sandbox.backends.base import get_backend
+from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.verify import verify_rollout
 from clawpipe.tasks import get_task_set
 fixit = get_task_set("fixit")

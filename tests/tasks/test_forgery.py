@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tests.tasks.forgery_kits  # noqa: F401  (registers the built-in kits)
-from clawpipe.sandbox.backends.base import Backend, get_backend
+from clawpipe.sandbox.backends import Backend, get_backend
 from clawpipe.tasks import get_task_set, list_task_sets, needs_sandbox
 from tests.tasks.forgery import GENERIC, KITS, ForgeryKit, check_task_set, kit_for, run_attempt
 

@@ -11,7 +11,7 @@ import pytest
 
 from clawpipe.errors import ConfigError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
-from clawpipe.sandbox.backends.base import get_backend
+from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.process import ProcessBackend
 from clawpipe.sandbox.verify import check_backend, run_check, verify_rollout
 from clawpipe.tasks import CheckProgram, get_task_set

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.errors import SandboxError
 from clawpipe.sandbox.bridge import Bridge, Route
 from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_file_size_limit, apply_rlimits
 from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest
@@ -227,20 +227,3 @@ def detach_route(bridge: Bridge, route: Route, out: Outcome) -> None:
             f"open at once (it held at most {route.peak_open})"
         )
     bridge.detach(route)
-
-
-def get_backend(name: str, **options: object) -> Backend:
-    """Construct a backend by name: bwrap (default), docker, process."""
-    if name == "bwrap":
-        from clawpipe.sandbox.backends.bwrap import BwrapBackend
-
-        return BwrapBackend(**options)  # type: ignore[arg-type]
-    if name == "process":
-        from clawpipe.sandbox.backends.process import ProcessBackend
-
-        return ProcessBackend(**options)  # type: ignore[arg-type]
-    if name == "docker":
-        from clawpipe.sandbox.backends.docker import DockerBackend
-
-        return DockerBackend(**options)  # type: ignore[arg-type]
-    raise ConfigError(f"unknown sandbox backend {name!r}; choose one of {list(BACKENDS)}")
