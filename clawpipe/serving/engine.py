@@ -1,6 +1,6 @@
 """The batching engine: one worker thread runs a hand-written KV-cache decode loop over every admitted sequence.
 
-Requests arrive from asyncio (`Engine.submit`), wait in a FIFO queue, and are admitted whole (all n choices)
+Requests arrive from asyncio (`Engine.stream`), wait in a FIFO queue, and are admitted whole (all n choices)
 while the batch stays within `max_batch` rows and the KV token budget. The budget bounds the padded cache:
 rows x max(prompt + max_tokens) <= kv_budget_tokens, so memory never exceeds it; requests queue instead.
 
@@ -13,8 +13,9 @@ with top-p, one RNG per choice (seeded from the request's seed + choice index); 
 log_softmax(raw_logits / T)[sampled] (T = 0: argmax, scored under T = 1). A row stops at EOS (included in its
 ids), a stop string, or max_tokens, and nothing after that is computed for it.
 
-The parts: params.py (what a request asks and gets), kv.py (the batch's KV buffers and padding mask),
-hf_cache.py (the only code touching transformers' cache classes), sampler.py, prefix_cache.py.
+The parts: params.py (requests, their checks and events), prefill.py (prompts -> KV, chunked), kv.py (the
+batch's KV buffers and padding mask), hf_cache.py (the only code touching transformers' cache classes),
+sampler.py, prefix_cache.py. This file schedules: admission, the step loop, rows, events, reload.
 
 Reload: `Engine.reload` loads new weights off-thread, then the worker stops admitting, lets the running batch
 finish, swaps the model and bumps `policy_version`; queued requests then run on the new weights.
@@ -31,7 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,18 @@ import torch
 
 from clawpipe.errors import ServingError
 from clawpipe.serving import policy
-from clawpipe.serving.hf_cache import KV, GrowingLayer, cache_of, empty_cache, layers_of
+from clawpipe.serving.hf_cache import KV
 from clawpipe.serving.kv import BatchKV
-from clawpipe.serving.params import SHUTTING_DOWN, RequestError, SamplingParams, ShuttingDown, TokenEvent
+from clawpipe.serving.params import (
+    SHUTTING_DOWN,
+    Request,
+    RequestError,
+    SamplingParams,
+    ShuttingDown,
+    TokenEvent,
+    check_request,
+)
+from clawpipe.serving.prefill import Prefilled, Prefiller
 from clawpipe.serving.prefix_cache import PrefixCache
 from clawpipe.serving.sampler import sample
 from clawpipe.serving.text import Detokenizer, TokenTable
@@ -55,33 +65,8 @@ MAX_PROMPT_TOKENS = 65536  # default prompt limit (below the model's context whe
 
 
 @dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Any]
-    cancelled: bool = False
-    policy_version: int | None = None
-    held: list[TokenEvent] = field(default_factory=list)  # non-streamed: events delivered once, at the end
-    finished: int = 0
-
-    @property
-    def reserve(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
-
-
-@dataclass
-class _Prefill:
-    """A prompt being prefilled across engine steps: the KV of prompt_ids[:done] (None before the first chunk)."""
-
-    request: _Request
-    layers: list[GrowingLayer] | None = None
-    done: int = 0
-
-
-@dataclass
 class _Row:
-    request: _Request
+    request: Request
     index: int
     rng: random.Random
     detok: Detokenizer
@@ -118,7 +103,6 @@ class Engine:
         cfg_len = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
         self.max_model_len = min(max_model_len or cfg_len, cfg_len)
         self.max_prompt_tokens = min(max_prompt_tokens or MAX_PROMPT_TOKENS, self.max_model_len - 1)
-        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
         self.policy_version = policy_version
         names = [served_name] if isinstance(served_name, str) else list(served_name or [])
         self.served_names = list(dict.fromkeys(names)) or [self.model_dir.name]  # the model names clients may send
@@ -126,9 +110,8 @@ class Engine:
         self.table = TokenTable(self.tokenizer)
         self.stop_ids = self._stop_ids()
         self.hidden_ids = set(self.stop_ids)
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
-        self._prefilling: collections.deque[_Prefill] = collections.deque()  # admitted, prompt not yet computed
         self._kv = BatchKV()  # the rows' KV, in buffers with room for their coming tokens
         self._pending_reload: tuple[Any, int, asyncio.Future[int], asyncio.AbstractEventLoop] | None = None
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
@@ -143,6 +126,7 @@ class Engine:
             "prefill_chunks": 0,
         }
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20 // self.kv_bytes_per_token()))
+        self._prefilling = Prefiller(self.prefix_cache, prefill_chunk_tokens, self.stats)  # admitted, not computed
         self._thread = threading.Thread(target=self._run, name="clawpipe-engine", daemon=True)
         self._thread.start()
 
@@ -171,48 +155,20 @@ class Engine:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError when the request can never be served (context, max_tokens, budget, values)."""
-        n_prompt = len(prompt_ids)
-        if n_prompt == 0:
-            raise RequestError("the prompt is empty: send at least one message or prompt token")
-        if n_prompt >= self.max_model_len:
-            raise RequestError(
-                f"context overflow: the prompt has {n_prompt} tokens but the model's context is {self.max_model_len}; "
-                "shorten the conversation"
-            )
-        if n_prompt > self.max_prompt_tokens:
-            raise RequestError(
-                f"the prompt has {n_prompt} tokens, more than this server's limit of {self.max_prompt_tokens} prompt "
-                "tokens per request; shorten the conversation (the operator sets the limit with --max-prompt-tokens)"
-            )
-        if params.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if n_prompt + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"max_tokens={params.max_tokens} is beyond the limit: prompt ({n_prompt} tokens) + max_tokens must be "
-                f"<= {self.max_model_len} (the context length); ask for at most {self.max_model_len - n_prompt}"
-            )
-        if params.n * (n_prompt + params.max_tokens) > self.kv_budget_tokens:
-            raise RequestError(
-                f"n x (prompt + max_tokens) = {params.n * (n_prompt + params.max_tokens)} tokens exceeds the KV budget "
-                f"of {self.kv_budget_tokens} tokens; lower max_tokens or n, or raise --kv-budget-tokens"
-            )
-        if not 0 <= params.temperature <= 100:
-            raise RequestError(f"temperature must be in [0, 100], got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
-        if not 1 <= params.n <= 128:
-            raise RequestError(f"n must be in [1, 128], got {params.n}")
-        if not 0 <= params.top_logprobs <= 20:
-            raise RequestError(f"top_logprobs must be in [0, 20], got {params.top_logprobs}")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        check_request(
+            prompt_ids,
+            params,
+            context=self.max_model_len,
+            prompt_limit=self.max_prompt_tokens,
+            kv_budget=self.kv_budget_tokens,
+            vocab=self.model.config.vocab_size,
+        )
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[Any, None]:
         """Yield ('version', int) once admitted, then lists of TokenEvent, until every choice has finished."""
         self.check(prompt_ids, params)
         loop = asyncio.get_running_loop()
-        req = _Request(prompt_ids=list(prompt_ids), params=params, loop=loop, queue=asyncio.Queue())
+        req = Request(prompt_ids=list(prompt_ids), params=params, loop=loop, queue=asyncio.Queue())
         with self._cond:
             if self._stopping:
                 raise ShuttingDown(SHUTTING_DOWN)
@@ -271,7 +227,7 @@ class Engine:
 
     # ------------------------------------------------------------------ worker thread
 
-    def _footprint(self, rows: list[_Row], extra: _Request | None = None) -> int:
+    def _footprint(self, rows: list[_Row], extra: Request | None = None) -> int:
         reserves = [r.request.reserve for r in rows]
         n = len(rows)
         if extra is not None:
@@ -279,9 +235,9 @@ class Engine:
             n += extra.params.n
         return n * max(reserves, default=0)
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[Request]:
         """Pop requests from the queue head while they fit (strict FIFO: no overtaking, no starvation)."""
-        admitted: list[_Request] = [p.request for p in self._prefilling]  # they hold their place in the budget
+        admitted = self._prefilling.requests()  # they hold their place in the budgets
         held = len(admitted)
         rows = list(self._rows)
         while self._waiting and self._pending_reload is None:
@@ -313,9 +269,9 @@ class Engine:
                     new = self._admit()
                 try:
                     if new:
-                        self._prefill(new)
+                        self._join(self._prefilling.start(self.model, new))
                     if self._prefilling:
-                        self._prefill_step()
+                        self._join(self._prefilling.step(self.model))
                     if self._rows:
                         self._decode()
                 except Exception as exc:  # a bug or OOM: fail the affected requests, keep serving
@@ -331,7 +287,7 @@ class Engine:
         self._fail_all(ShuttingDown(SHUTTING_DOWN), waiting)
         self._flush()
 
-    def _post(self, req: _Request, item: Any) -> None:
+    def _post(self, req: Request, item: Any) -> None:
         self._outbox.setdefault(req.loop, []).append((req.queue, item))
 
     def _flush(self) -> None:
@@ -354,9 +310,9 @@ class Engine:
         loop.call_soon_threadsafe(_resolve, fut, version)
         log.info("policy reloaded policy_version=%d", version)
 
-    def _fail_all(self, exc: BaseException, new: list[_Request]) -> None:
+    def _fail_all(self, exc: BaseException, new: list[Request]) -> None:
         reqs = {id(r.request): r.request for r in self._rows}
-        for req in [*new, *(p.request for p in self._prefilling)]:
+        for req in [*new, *self._prefilling.requests()]:
             reqs[id(req)] = req
         self._prefilling.clear()
         self._reset_batch()
@@ -364,7 +320,7 @@ class Engine:
         for req in reqs.values():
             self._post(req, err)
 
-    def _new_rows(self, req: _Request) -> list[_Row]:
+    def _new_rows(self, req: Request) -> list[_Row]:
         req.policy_version = self.policy_version
         self._post(req, ("version", self.policy_version))
         self.stats["requests"] += 1
@@ -376,71 +332,13 @@ class Engine:
             rows.append(_Row(request=req, index=i, rng=random.Random(seed), detok=detok))
         return rows
 
-    def _prefill(self, reqs: list[_Request]) -> None:
-        """Start the prefill of newly admitted requests (once per request, expanded to its n rows later). Short
-        prompts without a cached prefix are prefilled now, together when they have the same length (no padding,
-        no mask), and join the batch with their first tokens; a prompt sharing a long prefix with a cached one
-        reuses that KV, and it and long prompts queue for chunked prefill (`_prefill_step`)."""
-        groups: dict[int, list[_Request]] = collections.defaultdict(list)
-        for req in reqs:
-            hit = self.prefix_cache.lookup(req.prompt_ids)
-            if hit is not None:
-                cached, use = hit
-                self.stats["prefix_hit_tokens"] += use
-                layers = [GrowingLayer(k[:, :, :use], v[:, :, :use], len(req.prompt_ids)) for k, v in cached]
-                self._prefilling.append(_Prefill(req, layers, use))
-            elif len(req.prompt_ids) > self.prefill_chunk_tokens:
-                self._prefilling.append(_Prefill(req))
-            else:
-                groups[len(req.prompt_ids)].append(req)
-        for group in groups.values():
-            ids = torch.tensor([req.prompt_ids for req in group], device=self.device)  # (G, P)
-            out = self.model(input_ids=ids, cache=empty_cache(), use_cache=True, logits_to_keep=1)
-            prefilled = layers_of(out.cache)
-            for g, req in enumerate(group):
-                self.prefix_cache.store(req.prompt_ids, prefilled, g)
-            self._admit_rows(group, prefilled, out.logits[:, -1, :])
+    def _join(self, prefilled: list[Prefilled]) -> None:
+        """Prefilled requests join the batch (with their first tokens); those finished at once leave it."""
+        for reqs, layers, logits in prefilled:
+            self._admit_rows(reqs, layers, logits)
         self._drop_finished()
 
-    def _prefill_step(self) -> None:
-        """Compute at most `prefill_chunk_tokens` prompt tokens of the queued prefills, oldest first; a prompt
-        that is complete joins the batch. One chunk per step bounds how long running rows wait for their next
-        token, whatever the length of a new prompt."""
-        budget = self.prefill_chunk_tokens
-        while self._prefilling and budget > 0:
-            p = self._prefilling[0]
-            if p.request.cancelled:
-                self._prefilling.popleft()
-                continue
-            prompt = p.request.prompt_ids
-            end = min(len(prompt), p.done + budget)
-            logits = self._prefill_chunk(p, end)
-            budget -= end - p.done
-            p.done = end
-            if end < len(prompt):
-                break
-            self._prefilling.popleft()
-            assert p.layers is not None
-            layers = [layer.view() for layer in p.layers]
-            self.prefix_cache.store(prompt, layers, 0)
-            self._admit_rows([p.request], layers, logits)
-        self._drop_finished()
-
-    def _prefill_chunk(self, p: _Prefill, end: int) -> torch.Tensor:
-        """Compute prompt[p.done:end] on top of the prefill's KV; returns the logits of its last position."""
-        ids = torch.tensor([p.request.prompt_ids[p.done : end]], device=self.device)  # (1, c)
-        self.stats["prefill_chunks"] += 1
-        if p.layers is None:  # the first chunk: no KV yet, so no positions or mask to pass
-            out = self.model(input_ids=ids, cache=empty_cache(), use_cache=True, logits_to_keep=1)
-            p.layers = [GrowingLayer(k, v, len(p.request.prompt_ids)) for k, v in layers_of(out.cache)]
-        else:
-            pos = torch.arange(p.done, end, device=self.device)[None]  # (1, c)
-            out = self.model(
-                input_ids=ids, position_ids=pos, cache=cache_of(p.layers), use_cache=True, logits_to_keep=1
-            )
-        return out.logits[:, -1, :]
-
-    def _admit_rows(self, group: list[_Request], layers: list[KV], logits: torch.Tensor) -> None:
+    def _admit_rows(self, group: list[Request], layers: list[KV], logits: torch.Tensor) -> None:
         """Expand one prefilled row per request to its n rows, merge them into the batch, sample first tokens."""
         counts = [req.params.n for req in group]
         rows = [row for req in group for row in self._new_rows(req)]
@@ -491,7 +389,7 @@ class Engine:
             [r.rng.random() for r in rows],
             [p.top_logprobs for p in params],
         )
-        events: dict[int, tuple[_Request, list[TokenEvent]]] = {}
+        events: dict[int, tuple[Request, list[TokenEvent]]] = {}
         for row, tid, lp, top in zip(rows, got.ids, got.logprobs, got.tops, strict=True):
             row.last_token = tid
             row.n_generated += 1

@@ -3,7 +3,9 @@ errors a request can end with."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from clawpipe.errors import ServingError
 
@@ -49,3 +51,63 @@ class TokenEvent:
     finish_reason: str | None = None
     stopped_on: str | None = None  # the stop string that ended the choice, if one did
     top: list[tuple[int, float]] | None = None  # (id, logprob) of the most likely tokens, when asked for
+
+
+@dataclass
+class Request:
+    """One request in the engine: its prompt and parameters, where its events go, and how far it got."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+    cancelled: bool = False
+    policy_version: int | None = None
+    held: list[TokenEvent] = field(default_factory=list)  # non-streamed: events delivered once, at the end
+    finished: int = 0
+
+    @property
+    def reserve(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+def check_request(
+    prompt_ids: list[int], params: SamplingParams, *, context: int, prompt_limit: int, kv_budget: int, vocab: int
+) -> None:
+    """Raise RequestError when a request can never be served: its prompt against the context and the prompt
+    limit, max_tokens against the context, n x (prompt + max_tokens) against the KV budget, then its values."""
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        raise RequestError("the prompt is empty: send at least one message or prompt token")
+    if n_prompt >= context:
+        raise RequestError(
+            f"context overflow: the prompt has {n_prompt} tokens but the model's context is {context}; "
+            "shorten the conversation"
+        )
+    if n_prompt > prompt_limit:
+        raise RequestError(
+            f"the prompt has {n_prompt} tokens, more than this server's limit of {prompt_limit} prompt "
+            "tokens per request; shorten the conversation (the operator sets the limit with --max-prompt-tokens)"
+        )
+    if params.max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if n_prompt + params.max_tokens > context:
+        raise RequestError(
+            f"max_tokens={params.max_tokens} is beyond the limit: prompt ({n_prompt} tokens) + max_tokens must be "
+            f"<= {context} (the context length); ask for at most {context - n_prompt}"
+        )
+    if params.n * (n_prompt + params.max_tokens) > kv_budget:
+        raise RequestError(
+            f"n x (prompt + max_tokens) = {params.n * (n_prompt + params.max_tokens)} tokens exceeds the KV budget "
+            f"of {kv_budget} tokens; lower max_tokens or n, or raise --kv-budget-tokens"
+        )
+    if not 0 <= params.temperature <= 100:
+        raise RequestError(f"temperature must be in [0, 100], got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
+    if not 1 <= params.n <= 128:
+        raise RequestError(f"n must be in [1, 128], got {params.n}")
+    if not 0 <= params.top_logprobs <= 20:
+        raise RequestError(f"top_logprobs must be in [0, 20], got {params.top_logprobs}")
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be in [0, {vocab})")
