@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import openai
+import pytest
 from typer.testing import CliRunner
 
 from clawpipe.cli import app
@@ -53,3 +55,40 @@ def test_model_publish_reloads_a_running_server(policy_dir: Path, tmp_path: Path
         assert "policy_version 3" in result.output and server_health(handle.url)["policy_version"] == 3
     finally:
         handle.stop()
+
+
+@pytest.mark.slow
+def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: Path, tmp_path: Path) -> None:
+    """The command line the pipeline starts: `clawpipe serve` with repeated --served-name and --reload-root."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tmp_path / "ckpts"
+    cmd = [sys.executable, "-m", "clawpipe", "serve", "--model", str(policy_dir), "--port", str(port)]
+    cmd += ["--served-name", "clawpipe-policy", "--served-name", "alias", "--reload-root", str(root)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "CLAWPIPE_ADMIN_TOKEN": "t"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["clawpipe-policy", "alias"]
+        outside = httpx.post(
+            f"{url}/admin/reload", json={"path": str(policy_dir)}, headers={"Authorization": "Bearer t"}
+        )
+        assert outside.status_code == 403 and str(root) in outside.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
