@@ -271,7 +271,8 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
     choice_lps = [rows.logprob_array(x, "completion_logprobs", typed) for x in choice_lps]
     n_rows = max(1, len(choice_ids))
     if token_source is None:
-        token_source = "upstream" if prompt_arr is not None or any(x is not None for x in choice_ids) else "none"
+        has_prompt = prompt_arr is not None or any(c.prompt_token_ids is not None for c in parsed.choices)
+        token_source = "upstream" if has_prompt or any(x is not None for x in choice_ids) else "none"
     t_start = rows.epoch_s(header.get("t_start"), "header t_start")
     t_end = rows.epoch_s(header.get("t_end"), "header t_end")
     latency = (t_end - t_start) * 1000.0 if t_start is not None and t_end is not None else None
@@ -289,6 +290,7 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
     if prompt_tokens is None and prompt_arr is not None:
         prompt_tokens = len(prompt_arr)
     usage_completion = rows.int_value(parsed.completion_tokens, "usage completion_tokens")
+    spliced = rows.int_value(parsed.spliced_tokens, "response spliced_tokens")
     changes = _json_or_none(header.get("request_changes"))
     error = rows.text(header.get("error") or parsed.error)
     model = rows.text(header.get("model") or parsed.model)
@@ -300,6 +302,9 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
     out = part.rows
     for i in range(n_rows):
         choice = parsed.choices[i] if i < len(parsed.choices) else None
+        row_prompt = prompt_arr
+        if choice is not None and choice.prompt_token_ids is not None and token_source != "retokenized":
+            row_prompt = rows.id_array(choice.prompt_token_ids, "prompt_token_ids", typed)
         ids = choice_ids[i] if i < len(choice_ids) else None
         lps = choice_lps[i] if i < len(choice_lps) else None
         completion_tokens = len(ids) if ids is not None else usage_completion if n_rows == 1 else None
@@ -325,13 +330,14 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
                 model,
                 policy_version,
                 stamp,
-                prompt_arr,
+                row_prompt,
                 ids,
                 lps,
                 rows.text(choice.finish_reason) if choice is not None else None,
                 token_source,
-                prompt_tokens,
+                prompt_tokens if prompt_tokens is not None or row_prompt is None else len(row_prompt),
                 completion_tokens,
+                spliced,
                 None if not tools else orjson.dumps(tools).decode(),
                 t0,
                 t1,

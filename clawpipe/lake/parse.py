@@ -40,6 +40,9 @@ class ParseError(ValueError):
 class Choice:
     index: int
     token_ids: list[int] | None = None
+    # vLLM's /v1/completions puts each prompt's ids in its choices (and stream chunks' choices), not at the
+    # top level; a choice's own prompt ids win over the response's
+    prompt_token_ids: Any = None
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -51,6 +54,7 @@ class ParsedCall:
     prompt_token_ids: list[int] | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None  # call total from usage
+    spliced_tokens: int | None = None  # prompt ids the engine carried over from the rollout's earlier completions
     policy_version: int | None = None
     model: str | None = None
     error: str | None = None
@@ -82,6 +86,7 @@ def _read_top_fields(obj: dict[str, Any], parsed: ParsedCall) -> None:
     """The top-level fields every API's response carries (CONTRACTS A): prompt ids, policy version, model."""
     parsed.prompt_token_ids = obj.get("prompt_token_ids")
     parsed.policy_version = obj.get("policy_version")
+    parsed.spliced_tokens = obj.get("spliced_tokens")
     parsed.model = obj.get("model")
 
 
@@ -183,6 +188,7 @@ def _openai_choice(c: dict[str, Any], api: str) -> Choice:
     return Choice(
         index=c.get("index", 0),
         token_ids=c.get("token_ids"),
+        prompt_token_ids=c.get("prompt_token_ids"),
         logprobs=_logprob_values(c.get("logprobs")),
         finish_reason=c.get("finish_reason"),
         tool_calls=_chat_tool_calls(msg) if api == "chat" else None,
@@ -198,6 +204,18 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
     parsed.choices = [_openai_choice(c, api) for c in obj.get("choices") or ()]
 
 
+# the top-level fields of a chat/completions stream's chunks, each taken from the first chunk that has it
+_STREAM_TOP_KEYS = (
+    "id",
+    "created",
+    "model",
+    "prompt_token_ids",
+    "spliced_tokens",
+    "policy_version",
+    "system_fingerprint",
+)
+
+
 def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str, Any]:
     """The non-streamed response equivalent to chat.completion.chunk / completions chunks."""
     out: dict[str, Any] = {"object": "chat.completion" if api == "chat" else "text_completion"}
@@ -206,8 +224,8 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
         if "error" in ev and not ev.get("choices"):
             out["error"] = ev["error"]
             continue
-        for key in ("id", "created", "model", "prompt_token_ids", "policy_version", "system_fingerprint"):
-            if key in ev and key not in out:
+        for key in _STREAM_TOP_KEYS:
+            if ev.get(key) is not None and key not in out:  # vLLM sends "prompt_token_ids": null after the first
                 out[key] = ev[key]
         if ev.get("usage"):
             out["usage"] = ev["usage"]
@@ -215,7 +233,17 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
             idx = c.get("index", 0)
             st = states.get(idx)
             if st is None:
-                st = states[idx] = {"text": [], "role": None, "tools": {}, "ids": None, "lp": None, "fr": None}
+                st = states[idx] = {
+                    "text": [],
+                    "role": None,
+                    "tools": {},
+                    "ids": None,
+                    "lp": None,
+                    "fr": None,
+                    "prompt": None,
+                }
+            if c.get("prompt_token_ids") is not None and st["prompt"] is None:
+                st["prompt"] = c["prompt_token_ids"]
             if api == "chat":
                 delta = c.get("delta") or {}
                 if delta.get("role"):
@@ -268,6 +296,8 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
         else:
             choice["text"] = "".join(st["text"])
         choice["finish_reason"] = st["fr"]
+        if st["prompt"] is not None:
+            choice["prompt_token_ids"] = st["prompt"]
         if st["ids"] is not None:
             choice["token_ids"] = st["ids"]
         if st["lp"] is not None:
@@ -300,6 +330,7 @@ class _OpenAIChoice(msgspec.Struct):
     finish_reason: str | None = None
     message: _Message | None = None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType | None = msgspec.UNSET
     logprobs: _Logprobs | None = None
 
 
@@ -312,6 +343,7 @@ class _OpenAIBody(msgspec.Struct):
     choices: list[_OpenAIChoice] | msgspec.UnsetType = msgspec.UNSET
     prompt_token_ids: list[int] | msgspec.UnsetType | None = msgspec.UNSET
     policy_version: int | None = None
+    spliced_tokens: int | None = None
     model: str | None = None
     usage: _Usage | None = None
     error: Any = None
@@ -331,15 +363,21 @@ def _parse_openai_fast(body: bytes, api: str) -> ParsedCall | None:
     if r.error is not None or r.object == "error" or r.choices is msgspec.UNSET:
         return None
     prompt: Any = r.prompt_token_ids
+    cut_choice = None
     if cut is not None:
-        if prompt is not None:  # the cut key was not the top-level one
-            return None
-        prompt = cut[1]
+        if prompt is None:
+            prompt = cut[1]
+        else:  # the cut key was in a choice (vLLM completions, one prompt): the one choice left with null ids
+            nulled = [c for c in r.choices if c.prompt_token_ids is None]
+            if prompt is not msgspec.UNSET or len(nulled) != 1:
+                return None
+            cut_choice, prompt = nulled[0], None
     elif prompt is msgspec.UNSET:
         prompt = None
     parsed = ParsedCall(
         response=body, prompt_token_ids=prompt, policy_version=r.policy_version, model=r.model, typed=True
     )
+    parsed.spliced_tokens = r.spliced_tokens
     if r.usage is not None:
         parsed.prompt_tokens, parsed.completion_tokens = r.usage.prompt_tokens, r.usage.completion_tokens
     choices = []
@@ -349,10 +387,16 @@ def _parse_openai_fast(body: bytes, api: str) -> ParsedCall | None:
         if lp is not None:
             values = [e.logprob for e in lp.content] if lp.content is not None else lp.token_logprobs
         tools = c.message.tool_calls if api == "chat" and c.message is not None else None
+        own_prompt: Any = c.prompt_token_ids
+        if c is cut_choice and cut is not None:
+            own_prompt = cut[1]
+        elif own_prompt is msgspec.UNSET:
+            own_prompt = None
         choices.append(
             Choice(
                 index=c.index,
                 token_ids=c.token_ids,
+                prompt_token_ids=own_prompt,
                 logprobs=values,
                 finish_reason=c.finish_reason,
                 tool_calls=_chat_tool_calls({"tool_calls": tools}) if tools else None,
