@@ -9,20 +9,37 @@ returns once in-flight calls drained), ``POST /admin/resume`` (``{"policy_versio
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from clawpipe.proxy import wire
+from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.limits import MAX_POLICY_VERSION, valid_policy_version
 
-if TYPE_CHECKING:
-    from clawpipe.proxy.server import ProxyServer
+
+class AdminTarget(Protocol):
+    """What the admin endpoints read and change on the proxy (the server implements it)."""
+
+    config: ProxyConfig
+    policy_version: int
+    stats: dict[str, int]
+
+    def is_admin(self, authorization: bytes) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def snapshot_stats(self) -> dict[str, Any]: ...
+
+    async def pause_calls(self, wait_s: float) -> dict[str, Any]: ...
+
+    def resume_calls(self, policy_version: int | None = None) -> dict[str, Any]: ...
+
 
 MAX_WAIT_S = 3600.0
 _VERSION_HELP = f'send {{"policy_version": <integer in [0, {MAX_POLICY_VERSION}]>}}'
 
 
-async def handle_admin(proxy: ProxyServer, conn: ClientConn, req: wire.Request) -> None:
+async def handle_admin(proxy: AdminTarget, conn: ClientConn, req: wire.Request) -> None:
     keep = req.keep_alive
     token = req.headers.get(b"authorization", b"")
     if not proxy.is_admin(token):

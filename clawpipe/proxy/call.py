@@ -7,13 +7,17 @@ it holds until the call's record is durable; it stops taking bytes past the prox
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from clawpipe.proxy import wire
 from clawpipe.proxy.upstream import UpstreamConn
 
-if TYPE_CHECKING:
-    from clawpipe.proxy.conn import ClientConn
+
+class Client(Protocol):
+    """The harness side of a call: where its response bytes go (a ClientConn)."""
+
+    def write(self, data: bytes) -> None: ...
+
 
 # A stream's last event: from the piece that holds it on, bytes are held back until the record is durable.
 # Matched at the start of an SSE line (newlines in generated text are escaped inside the JSON, so text that
@@ -54,7 +58,7 @@ class Call:
 
     def __init__(
         self,
-        client: ClientConn,
+        client: Client,
         stream: bool,
         loop: asyncio.AbstractEventLoop,
         chunked: bool = True,

@@ -9,15 +9,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from clawpipe.proxy import wire
+from clawpipe.proxy.call import Call
+from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.framing import MAX_HEAD, ChunkedBody, Head, parse_request_head
+from clawpipe.proxy.limits import BodyBudget
 from clawpipe.proxy.wire import BadRequest
 
-if TYPE_CHECKING:
-    from clawpipe.proxy.call import Call
-    from clawpipe.proxy.server import ProxyServer
+
+class ConnOwner(Protocol):
+    """What a connection needs from the proxy that accepted it (the server is one): its limits, its clock,
+    its table of open connections and its request handler. The connection never touches more."""
+
+    config: ProxyConfig
+    body_budget: BodyBudget
+
+    def now(self) -> float: ...
+
+    def call_later(self, delay: float, fn: Callable[[], object]) -> None: ...
+
+    def admit(self, conn: ClientConn) -> bool:
+        """Count ``conn`` among the open connections; False when the proxy is at its connection limit."""
+        ...
+
+    def forget(self, conn: ClientConn) -> None: ...
+
+    def serve(self, conn: ClientConn, req: wire.Request) -> None:
+        """Answer ``req`` in a task of its own; the answer ends with :meth:`ClientConn.finish`."""
+        ...
+
 
 # Connection phases: waiting for (the rest of) a head, a body, the handler's answer, the next request.
 HEAD, BODY, BUSY, IDLE = range(4)
@@ -30,7 +53,7 @@ class ClientConn(asyncio.Protocol):
     or a body (408) or sit idle between requests.
     """
 
-    def __init__(self, proxy: ProxyServer) -> None:
+    def __init__(self, proxy: ConnOwner) -> None:
         self.proxy = proxy
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()  # input not consumed yet
@@ -53,19 +76,16 @@ class ClientConn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        proxy = self.proxy
-        self.since = proxy._loop.time()
-        if len(proxy._conns) >= proxy.config.max_connections:
+        self.since = self.proxy.now()
+        if not self.proxy.admit(self):
             self._refuse_connection()
-            return
-        proxy._conns.add(self)
 
     def eof_received(self) -> bool:
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.proxy._conns.discard(self)
+        self.proxy.forget(self)
         self._release()
         call = self.call
         if call is not None:
@@ -87,9 +107,9 @@ class ClientConn(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         if self.phase == IDLE:
-            self.phase, self.since = HEAD, self.proxy._loop.time()
+            self.phase, self.since = HEAD, self.proxy.now()
         elif self.phase == BODY:
-            self.since = self.proxy._loop.time()
+            self.since = self.proxy.now()
         if self.buf:
             self.buf += data
             self._parse(None)
@@ -180,7 +200,7 @@ class ClientConn(asyncio.Protocol):
             return -1
         pos = end + 4
         cfg = self.proxy.config
-        self.phase, self.since = BODY, self.proxy._loop.time()
+        self.phase, self.since = BODY, self.proxy.now()
         if head.length > cfg.max_body_bytes:
             self._refuse(head, 413, head.length, max(0, head.length - (len(src) - pos)))
             return -1
@@ -282,7 +302,7 @@ class ClientConn(asyncio.Protocol):
         self.transport.write(wire.error_response(503, msg, anthropic=None, keep_alive=False))
         with contextlib.suppress(OSError, RuntimeError):
             self.transport.write_eof()  # the client reads the 503; its own close ends the connection
-        self.proxy._loop.call_later(2.0, self.transport.abort)
+        self.proxy.call_later(2.0, self.transport.abort)
 
     @staticmethod
     def _request(head: Head, body: bytes) -> wire.Request:
@@ -301,17 +321,17 @@ class ClientConn(asyncio.Protocol):
         self.busy = True
         self.phase = BUSY
         self._release()  # the body is complete: the budget covers bodies still being received
-        self.proxy._track(self.proxy._loop.create_task(self.proxy._handle(self, req)))
+        self.proxy.serve(self, req)
 
     def finish(self, keep_alive: bool) -> None:
         """The current request is answered: go on with the next one, or close."""
         self.busy = False
         self.call = None
-        self.phase, self.since = IDLE, self.proxy._loop.time()
+        self.phase, self.since = IDLE, self.proxy.now()
         if not keep_alive:
             if self._discard and not self.closed:  # closing with unread input would reset the connection
                 self._close_pending = True
-                self.proxy._loop.call_later(30, self.close)
+                self.proxy.call_later(30, self.close)
             else:
                 self.close()
             return

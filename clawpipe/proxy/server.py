@@ -31,6 +31,7 @@ import secrets
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from clawpipe.errors import ClawpipeError, ConfigError, KeyVerificationError
@@ -191,6 +192,26 @@ class ProxyServer:
     def _track(self, task: asyncio.Task[None]) -> None:
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
+
+    # --- what a ClientConn needs from its owner (conn.ConnOwner) ---------------------------------------
+
+    def now(self) -> float:
+        return self._loop.time()
+
+    def call_later(self, delay: float, fn: Callable[[], object]) -> None:
+        self._loop.call_later(delay, fn)
+
+    def admit(self, conn: ClientConn) -> bool:
+        if len(self._conns) >= self.config.max_connections:
+            return False
+        self._conns.add(conn)
+        return True
+
+    def forget(self, conn: ClientConn) -> None:
+        self._conns.discard(conn)
+
+    def serve(self, conn: ClientConn, req: wire.Request) -> None:
+        self._track(self._loop.create_task(self._handle(conn, req)))
 
     async def serve_until_stopped(self) -> None:
         await self.open()
@@ -440,6 +461,9 @@ class ProxyServer:
         fwd_headers = b"".join(
             n + b": " + v + b"\r\n" for n, v in req.headers.items() if n in wire.FORWARDED_REQUEST_HEADERS
         )
+        # the rollout, for the engine to carry its own sampled ids into the rollout's next prompts; a header of
+        # that name from the client is never forwarded (only FORWARDED_REQUEST_HEADERS are)
+        fwd_headers += wire.rollout_header(header["run_id"], header["iteration"], header["rollout_id"])
         query = header["query"]
         target = path + "?" + query if query else path
         call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=self.config.max_response_bytes)

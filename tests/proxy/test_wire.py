@@ -136,32 +136,33 @@ def test_prepare_body_splices_or_rewrites():
     assert prepare_body("responses", same, {"return_token_ids": True}) == (same, {})
 
 
-class _Loop:
-    def time(self) -> float:
-        return 0.0
-
-    def create_task(self, job: object) -> object:
-        return job
-
-
 class _Proxy:
-    """What a ClientConn needs of the proxy, recording the requests it hands over."""
+    """A ConnOwner (what a ClientConn needs of its proxy) that records the requests it is handed."""
 
     def __init__(self) -> None:
         from clawpipe.proxy import ProxyConfig
         from clawpipe.proxy.limits import BodyBudget
 
         self.config = ProxyConfig(upstreams=["http://127.0.0.1:1"], capture_dir="unused")
-        self._loop = _Loop()
-        self._conns: set[object] = set()
         self.body_budget = BodyBudget(1 << 20)
+        self.conns: set[object] = set()
         self.seen: list[object] = []
 
-    def _handle(self, conn: object, req: object) -> None:
-        self.seen.append(req)
+    def now(self) -> float:
+        return 0.0
 
-    def _track(self, job: object) -> None:
+    def call_later(self, delay: float, fn: object) -> None:
         pass
+
+    def admit(self, conn: object) -> bool:
+        self.conns.add(conn)
+        return True
+
+    def forget(self, conn: object) -> None:
+        self.conns.discard(conn)
+
+    def serve(self, conn: object, req: object) -> None:
+        self.seen.append(req)
 
 
 class _ClientTransport:
