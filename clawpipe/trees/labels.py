@@ -9,12 +9,10 @@ label their rollout's own tree gives them (:func:`group_labels`): rollouts do no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from clawpipe.trees.prefix_tree import TreeNodes, TreeSequences
+from clawpipe.trees.shapes import TreeNodes, TreeSequences
 
 # Branch causes, in the order of tree_stats' branches_* columns. 0 = no branch.
 CAUSES = ("retry", "choice", "rewrite", "subagent", "drift", "rollout")
