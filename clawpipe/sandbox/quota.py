@@ -6,6 +6,10 @@ a harness that writes past it gets ENOSPC in that folder alone, and the rollout'
 cgroup of the process that writes them, so work-dir bytes also count toward the sandbox's memory limit,
 and the host's disks are never touched. Unmounting frees everything at once, at any depth.
 
+Each mount's source names the runner that made it (``clawpipe-rollout-<pid>``): a runner killed with
+SIGKILL cannot unmount its rollouts' folders, so every runner first sweeps away the mounts of runners
+that are gone (:func:`sweep_stale_mounts`).
+
 Where mounting is not allowed (not root, or a container without CAP_SYS_ADMIN) the fallback is weaker
 but still enforced by the kernel per file: RLIMIT_FSIZE of ``disk_mb`` (a bigger file gets EFBIG or
 SIGXFSZ), and the folder's total is measured after the run; over the quota is ``disk_quota`` too.
@@ -18,6 +22,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -27,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 MS_NOSUID, MS_NODEV = 0x2, 0x4
 MNT_DETACH = 0x2
+MOUNT_SOURCE = "clawpipe-rollout"
 FULL_SLACK_BYTES = 256 * 1024  # less than this left on the tmpfs when the harness ended: it ran out
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _warned = False
@@ -36,7 +42,8 @@ def mount_quota(folder: Path, disk_mb: int) -> bool:
     """Mount a ``disk_mb`` tmpfs on the (existing, empty) ``folder``; False where mounting is not allowed."""
     global _warned
     opts = f"size={disk_mb}m,mode=0755".encode()
-    if _libc.mount(b"clawpipe-rollout", os.fsencode(folder), b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0:
+    source = f"{MOUNT_SOURCE}-{os.getpid()}".encode()
+    if _libc.mount(source, os.fsencode(folder), b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0:
         return True
     err = ctypes.get_errno()
     if err not in (errno.EPERM, errno.EACCES):
@@ -49,6 +56,53 @@ def mount_quota(folder: Path, disk_mb: int) -> bool:
             os.strerror(err),
         )
     return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field: spaces, tabs, newlines and backslashes are written as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def stale_mounts(mountinfo: str) -> list[str]:
+    """Mount points of rollout tmpfs mounts whose runner (the pid in the mount's source) is gone."""
+    out = []
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(rest) < 2 or rest[0] != "tmpfs":
+            continue
+        owner = rest[1].removeprefix(f"{MOUNT_SOURCE}-")
+        if owner != rest[1] and owner.isdigit() and not _alive(int(owner)):
+            out.append(_unescape(fields[4]))
+    return out
+
+
+def sweep_stale_mounts() -> int:
+    """Unmount (lazily) the rollout folders of runners that were killed before they could; returns how many."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            points = stale_mounts(f.read())
+    except OSError:
+        return 0
+    swept = 0
+    for point in sorted(points, key=len, reverse=True):  # inner mounts first
+        if _libc.umount2(os.fsencode(point), MNT_DETACH) == 0:
+            swept += 1
+        else:
+            logger.warning("cannot unmount a stale rollout folder %s: %s", point, os.strerror(ctypes.get_errno()))
+    if swept:
+        logger.info("unmounted %d rollout folders left by runners that were killed", swept)
+    return swept
 
 
 def unmount_quota(folder: Path) -> None:

@@ -35,7 +35,7 @@ from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTI
 from clawpipe.sandbox.fstree import Entry, walk
 from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
-from clawpipe.sandbox.quota import mount_quota, over_quota, release
+from clawpipe.sandbox.quota import mount_quota, over_quota, release, sweep_stale_mounts
 from clawpipe.sandbox.verify import preflight, verify_rollout
 from clawpipe.schemas import RolloutStatus
 
@@ -464,6 +464,7 @@ def iter_rollouts(
 
     scratch = Path(scratch_dir) if scratch_dir is not None else settings.runs_dir / "rollouts"
     check_proxy(proxy_url)
+    sweep_stale_mounts()  # rollout folders a killed runner left mounted
     owned_backend = isinstance(backend, str)
     be = get_backend(backend) if isinstance(backend, str) else backend
     try:

@@ -124,3 +124,45 @@ def test_disk_mb_is_read_from_the_manifest_with_a_default(tmp_path: Path) -> Non
     assert load_manifest(make_harness(tmp_path, "small", "pass\n", resources={"disk_mb": 64})).limits.disk_mb == 64
     with pytest.raises(ManifestError, match=r"`resources.disk_mb` must be an integer from 1 to 1048576"):
         load_manifest(make_harness(tmp_path, "bad", "pass\n", resources={"disk_mb": 0}))
+
+
+def test_rollout_folders_left_mounted_by_a_killed_runner_are_swept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from clawpipe.sandbox.quota import stale_mounts, sweep_stale_mounts
+
+    folder = tmp_path / "rollout folder"  # a space: mountinfo escapes it
+    folder.mkdir()
+    code = (
+        "import sys, time; from pathlib import Path; from clawpipe.sandbox.quota import mount_quota; "
+        "print(mount_quota(Path(sys.argv[1]), 4), flush=True); time.sleep(60)"
+    )
+    runner = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        mounted = runner.stdout.readline().strip() == "True"  # type: ignore[union-attr]
+    finally:
+        runner.kill()
+        runner.wait()
+    if not mounted:
+        from tests.conftest import _missing
+
+        _missing("mounting a tmpfs needs root (the runner falls back to a file size limit)")
+    assert os.path.ismount(folder)  # the killed runner could not unmount it
+    with open("/proc/self/mountinfo") as f:
+        assert str(folder) in stale_mounts(f.read())
+    assert sweep_stale_mounts() >= 1
+    assert not os.path.ismount(folder)
+
+
+def test_mounts_of_live_runners_and_other_tmpfs_are_not_stale() -> None:
+    from clawpipe.sandbox.quota import stale_mounts
+
+    me = os.getpid()
+    info = (
+        f"36 25 0:32 / /a rw - tmpfs clawpipe-rollout-{me} rw,size=4096k\n"
+        "37 25 0:33 / /b rw - tmpfs tmpfs rw\n"
+        "38 25 0:34 / /c rw - ext4 clawpipe-rollout-999999999 rw\n"
+        "39 25 0:35 / /d\\040e rw - tmpfs clawpipe-rollout-999999999 rw\n"
+    )
+    assert stale_mounts(info) == ["/d e"]
