@@ -162,9 +162,10 @@ class FileSource:
         self._pos = -1  # where the file is positioned; sequential reads skip the seek
 
     def read(self, pos: int, n: int) -> bytes:
-        n = min(n, self.size - pos)
-        if n <= 0:
-            return b""
+        if pos + n > self.size:
+            n = self.size - pos
+            if n <= 0:
+                return b""
         if pos != self._pos:
             self.f.seek(pos)
         data = self.f.read(n)
@@ -271,7 +272,19 @@ def scan_frames(src: Source, start: int = 0, *, final: bool) -> Iterator[Frame |
     legacy = is_legacy(src)
     size = src.size
     pos = start
+    read, unpack, crc32 = src.read, _HEAD.unpack, zlib.crc32
     while pos < size:
+        if not legacy:  # the intact frame, inlined: this loop runs once per captured call
+            head = read(pos, HEAD_SIZE)
+            if len(head) == HEAD_SIZE:
+                sync, length, pcrc, hcrc = unpack(head)
+                end = pos + HEAD_SIZE + length
+                if sync == SYNC and crc32(head[:_HEAD_CRC_SPAN]) == hcrc and end <= size:
+                    payload = read(pos + HEAD_SIZE, length)
+                    if crc32(payload) == pcrc:
+                        yield Frame(pos, end, payload)
+                        pos = end
+                        continue
         got = _frame_at(src, pos, legacy)
         if isinstance(got, Frame):
             yield got
