@@ -3,14 +3,13 @@ serving it, the capture proxy in front of it, and a `route` per way a client rea
 directly; the proxy with the rollout key in the URL, as API key, or as bearer token).
 
 The guessing game: the user says USER, the policy calls ``guess(42)``, the client sends the tool's answer
-"correct", the policy answers FINAL_TEXT. Client libraries render the same conversation with their own system
-texts and tool schemas (strict JSON schemas, titles, descriptions from docstrings), so the policy is imprinted
-on a few such variants and decides from the conversation's end, which every client renders the same.
+"correct", the policy answers FINAL_TEXT. Every client here sends the tool as given (one rendering), except
+the Agents SDK, which builds a strict JSON schema from the function's signature (another); the imprint covers
+both renderings of both turns; a client that rendered the tool otherwise would get other text and fail.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import uuid
 from collections.abc import Iterator
@@ -50,25 +49,25 @@ RESPONSES_TOOL: dict[str, Any] = {
 }
 ANTHROPIC_TOOL: dict[str, Any] = {"name": "guess", "description": DESCRIPTION, "input_schema": PARAMETERS}
 
-# Variants the imprint sees: what client libraries put around the same conversation.
+# The renderings the imprint sees: the tool as the tests give it, and as the Agents SDK derives it from
+# `def guess(number: int)` with its docstring (a strict schema, keys in pydantic's order).
 _STRICT_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "title": "guess_args",
     "properties": {"number": {"title": "Number", "type": "integer"}},
     "required": ["number"],
+    "title": "guess_args",
+    "type": "object",
     "additionalProperties": False,
 }
-_SYSTEMS = [None, "You are a helpful assistant.", "Play the game."]
-_TOOL_VARIANTS = [("Guess the number", PARAMETERS), (DESCRIPTION, PARAMETERS), (DESCRIPTION, _STRICT_PARAMETERS)]
+_TOOL_PARAMETERS = [PARAMETERS, _STRICT_PARAMETERS]
 
 
-def _conversations(system: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": USER}]
+def _conversations() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    first = [{"role": "user", "content": USER}]
     call = {"id": "c", "type": "function", "function": {"name": "guess", "arguments": '{"number": 42}'}}
     second = [
         *first,
         {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "correct"},
+        {"role": "tool", "content": TOOL_RESULT},
     ]
     return first, second
 
@@ -83,11 +82,11 @@ def guesser_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     call = tok.encode(CALL_TEXT, add_special_tokens=False)
     final = tok.encode(FINAL_TEXT + "<|im_end|>", add_special_tokens=False)
     examples = []
-    for system, (description, parameters) in itertools.product(_SYSTEMS, _TOOL_VARIANTS):
+    for parameters in _TOOL_PARAMETERS:
         tools = [
-            {"type": "function", "function": {"name": "guess", "description": description, "parameters": parameters}}
+            {"type": "function", "function": {"name": "guess", "description": DESCRIPTION, "parameters": parameters}}
         ]
-        for messages, completion in zip(_conversations(system), (call, final), strict=True):
+        for messages, completion in zip(_conversations(), (call, final), strict=True):
             prompt = tok.apply_chat_template(
                 messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False
             )

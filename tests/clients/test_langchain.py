@@ -1,0 +1,85 @@
+"""LangChain's chat models (langchain-openai over Chat Completions and over Responses, langchain-anthropic
+over Messages) play the guessing game's tool round trip with bound tools, invoked and streamed, against the
+engine and through the proxy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_anthropic import ChatAnthropic
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_openai import ChatOpenAI
+
+from tests.clients.conftest import (
+    ANTHROPIC_ROUTES,
+    ANTHROPIC_TOOL,
+    CHAT_TOOL,
+    FINAL_TEXT,
+    MODEL,
+    OPENAI_ROUTES,
+    TOOL_RESULT,
+    USER,
+    Route,
+)
+
+pytestmark = pytest.mark.clients
+
+
+def _turn(model: Any, messages: list[BaseMessage], stream: bool) -> AIMessage:
+    if not stream:
+        return model.invoke(messages)
+    joined: Any = None
+    for chunk in model.stream(messages):
+        joined = chunk if joined is None else joined + chunk
+    assert joined is not None
+    return joined
+
+
+def _round_trip(chat: BaseChatModel, tool: dict[str, Any], stream: bool) -> AIMessage:
+    model = chat.bind_tools([tool])
+    messages: list[BaseMessage] = [HumanMessage(USER)]
+    first = _turn(model, messages, stream)
+    (call,) = first.tool_calls
+    assert (call["name"], call["args"]) == ("guess", {"number": 42})
+    messages += [first, ToolMessage(TOOL_RESULT, tool_call_id=call["id"])]
+    second = _turn(model, messages, stream)
+    assert second.text == FINAL_TEXT and not second.tool_calls
+    return second
+
+
+@pytest.mark.parametrize("route", OPENAI_ROUTES, indirect=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_langchain_openai_tool_round_trip(route: Route, stream: bool, api: str) -> None:
+    chat = ChatOpenAI(
+        model=MODEL,
+        base_url=route.openai_base(),
+        api_key=route.openai_key(),
+        temperature=0,
+        max_retries=0,
+        use_responses_api=api == "responses",
+        stream_usage=True,
+    )
+    second = _round_trip(chat, CHAT_TOOL, stream)
+    assert second.usage_metadata is not None and second.usage_metadata["input_tokens"] > 0
+    route.check_captured([(api, stream)] * 2)
+
+
+@pytest.mark.parametrize("route", ANTHROPIC_ROUTES, indirect=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
+def test_langchain_anthropic_tool_round_trip(route: Route, stream: bool) -> None:
+    chat = ChatAnthropic(
+        model=MODEL,
+        base_url=route.anthropic_base(),
+        api_key=route.anthropic_key(),
+        default_headers=route.anthropic_headers(),
+        temperature=0,
+        max_tokens=64,
+        max_retries=0,
+    )
+    second = _round_trip(chat, ANTHROPIC_TOOL, stream)
+    # streamed usage too: the engine reports input tokens in message_delta
+    assert second.usage_metadata is not None and second.usage_metadata["input_tokens"] > 0
+    route.check_captured([("messages", stream)] * 2)
