@@ -1,12 +1,15 @@
 """Lake landing throughput and saved-query latency on synthetic capture segments.
 
-Run: ``.venv/bin/python bench/lake_throughput.py [--small N] [--large N] [--query-calls N]``
-Response shapes as in ../shared/bench/mock_upstream.py: small = 200 prompt ids + 64 generated (~7 KB),
-large = 16k prompt ids + 512 generated (~150 KB). Landing is single-threaded and runs in a child process;
-its rate on one core is calls / CPU seconds of that process (the figure that holds on a shared machine;
-the wall-clock rate is printed beside it), its peak RSS the child's own high-water mark. Saved queries
-run over a lake of ``--query-calls`` small calls (landed segment by segment, in rounds, to bound disk
-use). Prints human lines, then one JSON line with the figures and their ratios to the targets.
+Run: ``.venv/bin/python bench/lake_throughput.py [--small N] [--large N] [--query-calls N] [--landing-only]``
+Response shapes of a vLLM-style upstream: small = 200 prompt ids + 64 generated (~7 KB), large = 16k
+prompt ids + 512 generated (~150 KB). Landing rates are measured on varied calls (each with its own random
+ids, logprobs, token texts and request text, lengths +-50%, as real captures are) and, beside them
+(``*_uniform``), on one identical request and response repeated, the shape of earlier figures. Landing is
+single-threaded and runs in a child process; its rate on one core is calls / CPU seconds of that process
+(the figure that holds on a shared machine; the wall-clock rate is printed beside it), its peak RSS the
+child's own high-water mark. Saved queries run over a lake of ``--query-calls`` small uniform calls (landed
+segment by segment, in rounds, to bound disk use). Prints human lines, then one JSON line with the figures
+and their ratios to the targets.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import shutil
 import subprocess
@@ -65,15 +69,87 @@ def response(n_prompt: int, n_gen: int) -> bytes:
     ).encode()
 
 
+_WORDS = [
+    "the",
+    "a",
+    "to",
+    "of",
+    "and",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "are",
+    "this",
+    "be",
+    "at",
+    "or",
+    "have",
+    "from",
+    "by",
+    "not",
+    "but",
+]
+_WORDS += ["def", "return", "import", "self", "(", ")", ":", "\n", "    ", "x", "=", "+", "1", "0", "if", "else"]
+
+
+def varied_response(rng: random.Random, n_prompt: int, n_gen: int) -> bytes:
+    """A response with its own ids, logprobs and text (lengths vary +-50% around the given ones)."""
+    n_prompt = max(1, int(n_prompt * rng.uniform(0.5, 1.5)))
+    n_gen = max(1, int(n_gen * rng.uniform(0.5, 1.5)))
+    pieces = [rng.choice(_WORDS) + (" " if rng.random() < 0.6 else "") for _ in range(n_gen)]
+    content = []
+    for p in pieces:
+        lp = -rng.expovariate(2.0)  # the same entry shape as the uniform calls (no top_logprobs asked for)
+        content.append({"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []})
+    return json.dumps(
+        {
+            "id": f"chatcmpl-{rng.getrandbits(64):016x}",
+            "object": "chat.completion",
+            "created": 1764547200 + rng.randrange(86400),
+            "model": "mock-model",
+            "prompt_token_ids": [rng.randrange(151_000) for _ in range(n_prompt)],
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop" if rng.random() < 0.9 else "length",
+                    "message": {"role": "assistant", "content": "".join(pieces)},
+                    "token_ids": [rng.randrange(151_000) for _ in range(n_gen)],
+                    "logprobs": {"content": content},
+                }
+            ],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen},
+        }
+    ).encode()
+
+
+def varied_request(rng: random.Random, size: int) -> bytes:
+    words, n = [], 0
+    while n < size - 120:
+        w = rng.choice(_WORDS)
+        words.append(w)
+        n += len(w) + 1
+    return json.dumps({"model": "mock-model", "messages": [{"role": "user", "content": " ".join(words)}]}).encode()
+
+
 def request(size: int) -> bytes:
     msg = "x" * max(0, size - 120)
     return json.dumps({"model": "mock-model", "messages": [{"role": "user", "content": msg}]}).encode()
 
 
-def write_segments(captures: Path, n: int, *, large: bool, per_segment: int, run_id: str, start: int = 0) -> int:
-    """Write ``n`` calls into sealed segments; returns bytes written."""
+def write_segments(
+    captures: Path, n: int, *, large: bool, per_segment: int, run_id: str, start: int = 0, varied: bool = False
+) -> int:
+    """Write ``n`` calls into sealed segments; returns bytes written. ``varied``: every call its own ids,
+    logprobs and texts (lengths +-50%); else one identical request and response in every call."""
     body = response(16000, 512) if large else response(200, 64)
     req = request(64 * 1024 if large else 512)
+    rng = random.Random(start)
     captures.mkdir(parents=True, exist_ok=True)
     total = 0
     t0 = time.time()
@@ -103,6 +179,9 @@ def write_segments(captures: Path, n: int, *, large: bool, per_segment: int, run
                 "token_source": "retokenized" if i % 31 == 0 else "upstream",
                 "upstream": "http://127.0.0.1:9",
             }
+            if varied:
+                body = varied_response(rng, 16000, 512) if large else varied_response(rng, 200, 64)
+                req = varied_request(rng, 64 * 1024 if large else 512)
             frames.append(capture.encode_record(header, req, body))
         data = b"".join(frames)
         (captures / f"bench-{uuid.uuid4().hex[:8]}-{start + s}.seg").write_bytes(data)
@@ -180,6 +259,7 @@ def main() -> None:
     ap.add_argument("--large", type=int, default=3_000, help="large calls for the landing rate")
     ap.add_argument("--query-calls", type=int, default=1_000_000, help="calls in the lake the saved queries read")
     ap.add_argument("--round", type=int, default=200_000, help="calls generated and landed per round")
+    ap.add_argument("--landing-only", action="store_true", help="skip the saved-query lake")
     ap.add_argument("--child-land", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--child-query", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -193,11 +273,15 @@ def main() -> None:
     try:
         figures: dict[str, object] = {}
         # -- landing rate, small and large, each from fresh segments into a fresh lake
-        for kind, n in (("small", args.small), ("large", args.large)):
+        for kind, n, varied in (
+            ("small", args.small, True),
+            ("large", args.large, True),
+            ("small_uniform", args.small, False),
+            ("large_uniform", args.large, False),
+        ):
             caps, lake = work / f"cap-{kind}", work / f"lake-{kind}"
-            size = write_segments(
-                caps, n, large=kind == "large", per_segment=2000 if kind == "small" else 100, run_id=kind
-            )
+            large = kind.startswith("large")
+            size = write_segments(caps, n, large=large, per_segment=100 if large else 2000, run_id=kind, varied=varied)
             r = run_land(caps, lake)
             rate, wall_rate = r["calls"] / r["cpu_s"], r["calls"] / r["wall_s"]
             print(
@@ -209,6 +293,9 @@ def main() -> None:
             figures[f"land_{kind}_peak_rss_mb"] = round(r["peak_rss_mb"])
             shutil.rmtree(caps)
             shutil.rmtree(lake)
+        if args.landing_only:
+            print(json.dumps(figures))
+            return
         # -- a lake of query-calls small calls, landed in rounds (peak RSS of each landing process)
         caps, lake = work / "cap-q", work / "lake-q"
         peak = 0.0
