@@ -18,29 +18,32 @@ pytestmark = pytest.mark.clients
 agents.set_tracing_disabled(True)  # no trace export to a hosted service
 
 
-def _guesser(route: Route, api: str, calls: list[int]) -> agents.Agent:
+def _guesser(client: openai.AsyncOpenAI, api: str, calls: list[int]) -> agents.Agent:
     @agents.function_tool
     def guess(number: int) -> str:
         """Guess the number."""
         calls.append(number)
         return TOOL_RESULT
 
-    client = openai.AsyncOpenAI(base_url=route.openai_base(), api_key=route.openai_key(), max_retries=0)
     model: agents.Model
     if api == "responses":
         model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client)
     else:
         model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
-    return agents.Agent(name="guesser", tools=[guess], model=model, model_settings=agents.ModelSettings(temperature=0))
+    # include_usage: the SDK asks a chat stream for usage only from api.openai.com unless told to
+    settings = agents.ModelSettings(temperature=0, include_usage=True)
+    return agents.Agent(name="guesser", tools=[guess], model=model, model_settings=settings)
 
 
-async def _run(agent: agents.Agent, stream: bool) -> Any:
-    if not stream:
-        return await agents.Runner.run(agent, USER, max_turns=4)
-    result = agents.Runner.run_streamed(agent, USER, max_turns=4)
-    kinds = [event.type async for event in result.stream_events()]
-    assert "raw_response_event" in kinds  # streamed from the model, not faked
-    return result
+async def _run(route: Route, api: str, stream: bool, calls: list[int]) -> Any:
+    async with openai.AsyncOpenAI(base_url=route.openai_base(), api_key=route.openai_key(), max_retries=0) as client:
+        agent = _guesser(client, api, calls)
+        if not stream:
+            return await agents.Runner.run(agent, USER, max_turns=4)
+        result = agents.Runner.run_streamed(agent, USER, max_turns=4)
+        kinds = [event.type async for event in result.stream_events()]
+        assert "raw_response_event" in kinds  # streamed from the model, not faked
+        return result
 
 
 @pytest.mark.parametrize("route", OPENAI_ROUTES, indirect=True)
@@ -48,8 +51,11 @@ async def _run(agent: agents.Agent, stream: bool) -> Any:
 @pytest.mark.parametrize("api", ["responses", "chat"])
 def test_agents_sdk_runs_the_tool_and_answers(route: Route, stream: bool, api: str) -> None:
     calls: list[int] = []
-    result = asyncio.run(_run(_guesser(route, api, calls), stream))
+    result = asyncio.run(_run(route, api, stream, calls))
     assert calls == [42]
     assert result.final_output == FINAL_TEXT
     assert len(result.raw_responses) == 2
+    usage = result.context_wrapper.usage  # summed over both model calls, from the engine's usage reports
+    assert usage.requests == 2 and usage.input_tokens > 0 and usage.output_tokens > 0
+    assert [r.usage.output_tokens > 0 for r in result.raw_responses] == [True, True]
     route.check_captured([(api, stream)] * 2)

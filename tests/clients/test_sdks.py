@@ -129,3 +129,23 @@ def test_anthropic_messages_tool_round_trip(route: Route, stream: bool) -> None:
     assert [b.text for b in second.content if b.type == "text"] == [FINAL_TEXT]
     assert second.stop_reason == "end_turn" and second.usage.input_tokens > 0
     route.check_captured([("messages", stream)] * 2)
+
+
+@pytest.mark.parametrize("route", OPENAI_ROUTES, indirect=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_openai_completions_with_a_list_of_prompts(route: Route, stream: bool) -> None:
+    """Legacy completions with two prompts: one call, a choice per prompt, each landed with its own prompt's ids."""
+    client = _openai(route)
+    prompts = ["Guess my number.", "1 + 2 ="]
+    ask: dict[str, Any] = {"model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0}
+    texts: dict[int, str] = {}
+    if stream:
+        for chunk in client.completions.create(**ask, stream=True):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+    else:
+        texts = {c.index: c.text for c in client.completions.create(**ask).choices}
+    assert sorted(texts) == [0, 1]
+    rows = route.check_captured([("completions", stream)] * 2)
+    if rows:
+        assert rows[0]["prompt_token_ids"] != rows[1]["prompt_token_ids"]
