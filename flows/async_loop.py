@@ -91,7 +91,7 @@ async def rollout_producer(cfg: PipelineConfig, run_id: str, start: int, service
         shared.check()
         waited = time.monotonic() - t0
         shared.producer_wait_s[batch] = waited
-        version = shared.state.policy_version
+        version = shared.policy_version
         logger.info("producer: batch %d at policy_version %d (waited %.1f s for the trainer)", batch, version, waited)
         await asyncio.to_thread(rollout_batch, cfg, run_id, batch, version, services["proxy_url"])
         await asyncio.to_thread(land_batch, batch)
@@ -118,7 +118,7 @@ async def trainer(cfg: PipelineConfig, run_id: str, start: int, services: dict[s
             train_step, cfg, run_id, iteration, shared.state.position(), services, rows, waits
         )
         shared.state.complete(summary, peak_memory_mb=memory.peak_mb)
-        shared.state.save(settings.runs_dir)  # the producer reads the new policy and step count from here on
+        shared.state.save(settings.runs_dir)  # a resumed run starts after this step
     return cfg.iterations - start
 
 
@@ -155,6 +155,7 @@ def train_step(
     else:  # every call was too stale: nothing to train, the policy stays
         logger.warning("step %d: no call within max_staleness %d; step skipped", iteration, cfg.max_staleness)
         trained = {"checkpoint": policy_dir, "policy_version": version, "metrics": {}}
+    _RUNS[run_id][0].published(iteration + 1, version)  # the producer goes on while this step evaluates
     evaluation = None
     if stages.evaluates(cfg, iteration):
         evaluation = rollout_batch(cfg, run_id, iteration, version, services["proxy_url"], evaluation=True)

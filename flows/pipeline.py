@@ -34,6 +34,7 @@ from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
 from clawpipe.pipeline.faults import inject_fault  # noqa: E402
 from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
 from clawpipe.pipeline.services import publish  # noqa: E402
+from clawpipe.pipeline.train_worker import close_worker  # noqa: E402
 
 # --- tasks: one library call each, retries declared here and nowhere else -------------------------------
 
@@ -96,9 +97,20 @@ def train_policy(
     """One training step in its own process; writes checkpoint v+1 and logs to the run's MLflow run."""
     settings = get_settings()
     out_dir = settings.runs_dir / run_id / "checkpoints"
-    return stages.train(
+    t0 = time.perf_counter()
+    trained = stages.train(
         cfg, settings, run_id, iteration, policy_dir=Path(policy_dir), out_dir=out_dir, mlflow_run_id=mlflow_run_id
     )
+    metrics = trained.get("metrics", {})
+    get_run_logger().info(
+        "it %d trained: loss %.4f, entropy %.3f, checkpoint v%d (%.1f s)",
+        iteration,
+        metrics.get("loss/total", float("nan")),
+        metrics.get("entropy", float("nan")),
+        int(trained["policy_version"]),
+        time.perf_counter() - t0,
+    )
+    return trained
 
 
 @task(name="publish_policy", retries=2, retry_delay_seconds=5, timeout_seconds=900)
@@ -113,6 +125,7 @@ def publish_policy(services: dict[str, str], checkpoint: str, policy_version: in
         engine=engine,
         served_dir=Path(services["served_dir"]),
     )
+    get_run_logger().info("published policy_version %d", policy_version)
     return policy_version
 
 
@@ -193,6 +206,7 @@ def pipeline(cfg: PipelineConfig | None = None, run_id: str | None = None, resum
             state.complete(summary, peak_memory_mb=memory.peak_mb)
             state.save(settings.runs_dir)
         state.peak_memory_mb = max(state.peak_memory_mb, memory.peak_mb)
+        close_worker(state.run_id)  # the run's training process, while the memory monitor still sees it
     state.save(settings.runs_dir)
     result = report.final_summary(state, time.perf_counter() - t0)
     stages.log_run_end(cfg, state, result)

@@ -34,7 +34,8 @@ def expected_groups(cfg: PipelineConfig) -> int:
 class Overlap:
     """What the producer and the trainer of one run share in the flow's process.
 
-    ``state`` is the run state the trainer advances (steps trained, current policy); the producer reads it.
+    ``state`` is the run state the trainer advances after each step (resume starts from it); ``trained`` and
+    ``policy_version`` move as soon as a step has published, so the producer need not wait for evaluation.
     ``stop`` is set when either side fails, so the other stops at its next wait instead of waiting forever.
     """
 
@@ -43,10 +44,16 @@ class Overlap:
     landed: set[int] = field(default_factory=set)  # batches the producer landed in this process
     producer_wait_s: dict[int, float] = field(default_factory=dict)
     stop: str | None = None
+    trained: int = -1  # steps whose policy is published (the step's evaluation may still be running)
+    policy_version: int = -1  # the policy published last: what new batches are rolled out against
 
-    @property
-    def trained(self) -> int:
-        return self.state.next_iteration
+    def __post_init__(self) -> None:
+        if self.trained < 0:
+            self.trained, self.policy_version = self.state.next_iteration, self.state.policy_version
+
+    def published(self, steps: int, policy_version: int) -> None:
+        """A step's policy is live: later batches are rolled out against it and may start that much later."""
+        self.trained, self.policy_version = steps, policy_version
 
     def may_start(self, batch: int) -> bool:
         return batch - self.trained <= lookahead(self.cfg)

@@ -33,7 +33,9 @@ def iteration_summary(
         "eval_by_harness": evaluation["by_harness"] if evaluation else None,
         "policy_version": policy_version,
         "policy_dir": trained["checkpoint"],
-        "trees": {k: trees.get(k) for k in ("n_trees", "flattened_tokens", "unique_tokens", "drift_count")},
+        "trees": {
+            k: trees.get(k) for k in ("n_trees", "flattened_tokens", "unique_tokens", "drift_count", "spliced_tokens")
+        },
         "train": {k: v for k, v in trained.get("metrics", {}).items() if k.startswith(_TRAIN_PREFIXES)},
         "seconds": round(seconds, 1),
     }
@@ -54,6 +56,9 @@ def iteration_metrics(summary: dict[str, Any]) -> dict[str, float]:
     for harness, v in (summary["eval_by_harness"] or {}).items():
         metrics[f"eval/reward/{harness}"] = v["reward_mean"]
     metrics.update(overlap_metrics(summary.get("overlap")))
+    for key in ("drift_count", "spliced_tokens"):  # prompt ids re-encoded apart from / carried over from sampling
+        if (summary.get("trees") or {}).get(key) is not None:
+            metrics[f"trees/{key}"] = float(summary["trees"][key])
     return metrics
 
 

@@ -359,7 +359,10 @@ def train(
     out_dir: Path,
     mlflow_run_id: str | None = None,
 ) -> dict[str, Any]:
-    """One training step in its own process; returns {checkpoint, policy_version, metrics}.
+    """One training step outside the flow's process; returns {checkpoint, policy_version, metrics}.
+
+    The step runs in the run's long-lived training process (clawpipe.pipeline.train_worker), which pays
+    the torch imports once per run, or as a ``clawpipe train`` process of its own (see _persistent_trainer).
 
     With ``mlflow_run_id`` the trainer logs its config and per-step metrics into that (the pipeline's) run.
     Harnesses whose manifest sets ``[training] exclude_side_calls = true`` train only on their main lineage
@@ -394,7 +397,27 @@ def train(
         str(metrics_path),
         *(["--mlflow-run-id", mlflow_run_id] if mlflow_run_id else ["--no-track"]),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise TrainingError(f"training step failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    if _persistent_trainer(train_values):
+        from clawpipe.pipeline.train_worker import worker_for
+
+        request = {
+            "run_id": run_id,
+            "iteration": iteration,
+            "config": str(config_path),
+            "policy": str(policy_dir),
+            "out": str(out_dir),
+            "metrics_out": str(metrics_path),
+            "mlflow_run_id": mlflow_run_id,
+        }
+        worker_for(run_id, settings.runs_dir / run_id / "logs" / "trainer.log").step(request)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise TrainingError(f"training step failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return dict(json.loads(metrics_path.read_text()))
+
+
+def _persistent_trainer(train_values: dict[str, Any]) -> bool:
+    """Steps go to the run's long-lived training process (clawpipe.pipeline.train_worker) unless the step
+    must be launched on its own (several processes) or CLAWPIPE_TRAIN_PROCESS=step asks for the CLI."""
+    return int(train_values.get("nproc") or 1) == 1 and os.environ.get("CLAWPIPE_TRAIN_PROCESS") != "step"

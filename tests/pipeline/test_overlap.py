@@ -31,8 +31,11 @@ def test_producer_runs_at_most_lookahead_batches_ahead(staleness: int, ahead: in
     state = RunState(run_id="r", config={}, policy_dir="/p")
     shared = ov.Overlap(cfg=_cfg(max_staleness=staleness), state=state)
     assert [b for b in range(8) if shared.may_start(b)] == list(range(ahead + 1))
-    state.completed.append({})  # one step trained
+    shared.published(1, 1)  # step 0's policy is live (its evaluation may still run)
     assert [b for b in range(8) if shared.may_start(b)] == list(range(ahead + 2))
+    assert shared.policy_version == 1
+    state.completed.append({"policy_version": 1})  # a resumed run starts from the saved state
+    assert ov.Overlap(cfg=shared.cfg, state=state).trained == 1
 
 
 def test_a_stopped_side_stops_the_other() -> None:
