@@ -115,6 +115,17 @@ def register(app: typer.Typer) -> None:
             f"{report.rejects} rejects, {report.duplicates} duplicates skipped, from {report.segments} segments "
             f"in {report.seconds:.2f}s"
         )
+        notes = []
+        if report.damaged_bytes:
+            notes.append(f"{report.damaged_bytes} capture bytes in damaged regions (each one reject)")
+        if report.stream_errors:
+            notes.append(f"{report.stream_errors} 200 answers that ended in an error, landed as upstream_error")
+        if report.policy_version_mismatches:
+            notes.append(
+                f"{report.policy_version_mismatches} calls where the engine's policy_version is not the proxy's stamp"
+            )
+        if notes:
+            typer.echo("; ".join(notes) + " (see `clawpipe sql` on rejects and `clawpipe lake check`)")
 
     @app.command("sql")
     def sql_cmd(

@@ -98,3 +98,14 @@ def test_lake_check_and_compact(home: Path) -> None:
     assert res.exit_code == 0 and "compacted 1 partitions: 2 -> 1 files, 5 rows" in res.output
     count = runner.invoke(app, ["sql", "select count(*) as n from model_calls", "--format", "csv"])
     assert count.output.splitlines() == ['"n"', "5"]
+
+
+def test_land_reports_damage_and_goes_on(home: Path) -> None:
+    frames = [fx.record(call_id=f"c{i}", seq=i) for i in range(4)]
+    bad = bytearray(frames[1])
+    bad[len(bad) // 2] ^= 0xFF
+    fx.write_segment(home / "captures" / "d-000001.seg", [frames[0], bytes(bad), *frames[2:]])
+    res = CliRunner().invoke(app, ["land"])
+    assert res.exit_code == 0, res.output
+    assert "landed 3 calls (3 rows), 0 rollout rows, 1 rejects" in res.output
+    assert f"{len(bad)} capture bytes in damaged regions (each one reject)" in res.output
