@@ -142,8 +142,9 @@ class TrainConfig(BaseModel):
     activation_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer's activations in the backward pass instead of keeping them "
-        "(transformers' gradient checkpointing): training memory per token drops to about a layer's input per "
-        "layer (see bench/long_paths.py for the measured saving) for roughly one more forward of compute.",
+        "(transformers' activation checkpointing): what each layer keeps for backward drops to its input. "
+        "Measured by bench/long_paths.py (small policy, one 16k-token path on CPU): peak memory 544 MB instead "
+        "of 1,551 MB (-65%) for 50% more CPU time.",
     )
     skip_statuses: list[str] = Field(
         default_factory=lambda: ["infra_error"],
