@@ -77,6 +77,7 @@ MODEL_CALLS = pa.schema(
         pa.field("token_source", pa.string()),  # TokenSource
         pa.field("prompt_tokens", pa.int32()),
         pa.field("completion_tokens", pa.int32()),
+        pa.field("spliced_tokens", pa.int32()),  # prompt ids the engine took from the rollout's earlier completions
         pa.field("tool_calls", pa.string()),  # JSON list, OpenAI shape, or null
         pa.field("t_start", TS),
         pa.field("t_end", TS),
@@ -168,6 +169,7 @@ TREE_STATS = pa.schema(
         pa.field("truncated_calls", pa.int32()),
         pa.field("kept_out_retokenized", pa.int32()),  # calls kept out: ids re-encoded by the proxy, not sampled
         pa.field("kept_out_no_ids", pa.int32()),  # calls kept out: no prompt ids at all
+        pa.field("spliced_tokens", pa.int64()),  # prompt ids the engine carried over from earlier completions
     ]
 )
 

@@ -6,6 +6,7 @@ Kept deliberately small and allocation-light: the proxy's hot path runs through 
 from __future__ import annotations
 
 import json
+import urllib.parse
 from dataclasses import dataclass, field
 
 REASONS = {
@@ -36,6 +37,16 @@ HOP_BY_HOP = frozenset(
 FORWARDED_REQUEST_HEADERS = frozenset(
     (b"content-type", b"accept", b"anthropic-version", b"anthropic-beta", b"openai-beta", b"x-request-id")
 )
+
+ROLLOUT_HEADER = b"x-clawpipe-rollout"
+
+
+def rollout_header(run_id: str, iteration: int, rollout_id: str) -> bytes:
+    """The header line naming a call's rollout to the engine: ``run/iteration/rollout``, percent-encoded so no
+    id can break the header (the names never hold '/': clawpipe.keys refuses them)."""
+    value = urllib.parse.quote(f"{run_id}/{iteration}/{rollout_id}", safe="/")
+    return ROLLOUT_HEADER + b": " + value.encode("ascii") + b"\r\n"
+
 
 OPENAI_ERROR_TYPES = {
     400: "invalid_request_error",

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from clawpipe.serving import convert
 from clawpipe.serving.params import SamplingParams
 from clawpipe.serving.routes import Choice, Routes, sse
+from clawpipe.serving.splice import Prompt
 from clawpipe.serving.text import new_id
 
 
@@ -36,6 +37,7 @@ class MessagesRoutes(Routes):
             return self.sse_response(self._messages_stream(prompt, params, bool(tools), mid, model), anthropic=True)
         version, (c,) = await self.run(prompt, params, bool(tools))
         content, calls = c.full()
+        self.keep_turn(prompt, c, calls)
         blocks: list[dict[str, Any]] = []
         if content or not calls:
             blocks.append({"type": "text", "text": content})
@@ -54,6 +56,7 @@ class MessagesRoutes(Routes):
                 "stop_sequence": c.stopped_on,
                 "usage": self._anthropic_usage(len(prompt), len(c.token_ids)),
                 "prompt_token_ids": prompt,
+                "spliced_tokens": prompt.spliced,
                 "token_ids": c.token_ids,
                 "logprobs": {"content": self.lp_entries(c)},
                 "policy_version": version,
@@ -78,7 +81,7 @@ class MessagesRoutes(Routes):
         }
 
     async def _messages_stream(
-        self, prompt: list[int], params: SamplingParams, tools: bool, mid: str, model: str
+        self, prompt: Prompt, params: SamplingParams, tools: bool, mid: str, model: str
     ) -> AsyncIterator[bytes]:
         c = Choice(0, tools)
         block = -1  # index of the open text block, -1 when none
@@ -98,6 +101,7 @@ class MessagesRoutes(Routes):
                         "stop_sequence": None,
                         "usage": self._anthropic_usage(len(prompt), 0),
                         "prompt_token_ids": prompt,
+                        "spliced_tokens": prompt.spliced,
                         "policy_version": item[1],
                     }
                     yield sse({"type": "message_start", "message": message}, "message_start")
@@ -125,6 +129,7 @@ class MessagesRoutes(Routes):
                             "content_block_delta",
                         )
         content, calls = c.finish()
+        self.keep_turn(prompt, c, calls)
         if content or (not calls and block < 0):
             if block < 0:
                 block, n_blocks = n_blocks, n_blocks + 1

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from clawpipe.serving import convert
 from clawpipe.serving.params import RequestError, SamplingParams
 from clawpipe.serving.routes import Choice, Routes, sse
+from clawpipe.serving.splice import Prompt
 from clawpipe.serving.text import new_id
 
 
@@ -64,6 +65,7 @@ class ChatRoutes(Routes):
             if want_ids:
                 entry["token_ids"] = c.token_ids
             out_choices.append(entry)
+            self.keep_turn(prompt, c, calls)
         return JSONResponse(
             {
                 "id": rid,
@@ -73,13 +75,14 @@ class ChatRoutes(Routes):
                 "choices": out_choices,
                 "usage": self.usage(len(prompt), choices),
                 "prompt_token_ids": prompt if want_ids else None,
+                "spliced_tokens": prompt.spliced,
                 "policy_version": version,
             }
         )
 
     async def _chat_stream(
         self,
-        prompt: list[int],
+        prompt: Prompt,
         params: SamplingParams,
         tools: bool,
         rid: str,
@@ -107,6 +110,7 @@ class ChatRoutes(Routes):
                             for i in range(params.n)
                         ],
                         "prompt_token_ids": prompt if want_ids else None,
+                        "spliced_tokens": prompt.spliced,
                     }
                     yield sse(first)
                     continue
@@ -129,6 +133,7 @@ class ChatRoutes(Routes):
                 yield sse({**base, "choices": deltas})
                 for c in tails:
                     content, calls = c.finish()
+                    self.keep_turn(prompt, c, calls)
                     if content:
                         yield sse(
                             {

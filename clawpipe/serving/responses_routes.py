@@ -13,6 +13,7 @@ from clawpipe.errors import ServingError
 from clawpipe.serving import convert
 from clawpipe.serving.params import RequestError, SamplingParams
 from clawpipe.serving.routes import Choice, Routes, sse
+from clawpipe.serving.splice import Prompt
 from clawpipe.serving.text import new_id
 
 
@@ -61,6 +62,7 @@ class ResponsesRoutes(Routes):
             return self.sse_response(self._responses_stream(prompt, params, bool(tools), skeleton, keep))
         version, (c,) = await self.run(prompt, params, bool(tools))
         content, calls = c.full()
+        self.keep_turn(prompt, c, calls)
         done = self._response_done(skeleton, prompt, c, self._response_items(content, calls), version)
         self._keep(done, keep)
         return JSONResponse(done)
@@ -101,7 +103,7 @@ class ResponsesRoutes(Routes):
         return items
 
     def _response_done(
-        self, skeleton: dict[str, Any], prompt: list[int], c: Choice, items: list[dict[str, Any]], version: int
+        self, skeleton: dict[str, Any], prompt: Prompt, c: Choice, items: list[dict[str, Any]], version: int
     ) -> dict[str, Any]:
         n_out = len(c.token_ids)
         incomplete = c.finish_reason == "length" and not any(i["type"] == "function_call" for i in items)
@@ -118,6 +120,7 @@ class ResponsesRoutes(Routes):
                 "total_tokens": len(prompt) + n_out,
             },
             "prompt_token_ids": prompt,
+            "spliced_tokens": prompt.spliced,
             "token_ids": c.token_ids,
             "logprobs": {"content": self.lp_entries(c)},
             "policy_version": version,
@@ -125,7 +128,7 @@ class ResponsesRoutes(Routes):
 
     async def _responses_stream(
         self,
-        prompt: list[int],
+        prompt: Prompt,
         params: SamplingParams,
         tools: bool,
         skeleton: dict[str, Any],
@@ -143,7 +146,7 @@ class ResponsesRoutes(Routes):
     async def _responses_events(
         self,
         event: _Events,
-        prompt: list[int],
+        prompt: Prompt,
         params: SamplingParams,
         tools: bool,
         skeleton: dict[str, Any],
@@ -186,6 +189,7 @@ class ResponsesRoutes(Routes):
                         logprobs=[],
                     )
         content, calls = c.finish()
+        self.keep_turn(prompt, c, calls)
         if content or (not calls and not opened):
             if not opened:
                 opened = True

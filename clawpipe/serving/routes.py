@@ -20,6 +20,7 @@ from clawpipe.serving import convert
 from clawpipe.serving.engine import Engine
 from clawpipe.serving.params import RequestError, SamplingParams, TokenEvent
 from clawpipe.serving.response_store import ResponseStore
+from clawpipe.serving.splice import REQUEST_ROLLOUT, Prompt, TurnMemory, render_spliced
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
 
 
@@ -32,6 +33,9 @@ class ServeOptions:
     max_tokens_cap: int | None = None  # clamp every request's max_tokens (CPU runs behind chatty harnesses)
     reload_roots: list[str] = field(default_factory=list)  # where /admin/reload may load from ('*': one level)
     responses_kept: int = 1024  # stored Responses kept for previous_response_id (most recent first)
+    splice: bool = True  # carry the sampled ids of a rollout's earlier turns into its next prompts
+    splice_rollouts: int = 256  # rollouts whose completions are kept for that (least recently used dropped)
+    splice_tokens: int = 131072  # sampled ids kept per rollout (oldest completions dropped)
 
 
 MAX_POLICY_VERSION = 2**31 - 1  # the lake's policy_version column is a 32-bit integer
@@ -98,6 +102,7 @@ class Choice:
     emitted: int = 0
     finish_reason: str | None = None
     stopped_on: str | None = None
+    shown: str = ""  # the content handed to the client so far (tool-call spans parsed out)
 
     def add(self, ev: TokenEvent) -> str:
         """Record one event; return the text that may be shown now."""
@@ -116,6 +121,7 @@ class Choice:
     def _flush(self, end: int) -> str:
         end = max(end, self.emitted)
         piece, self.emitted = self.text[self.emitted : end], end
+        self.shown += piece
         return piece
 
     def finish(self) -> tuple[str, list[Any]]:
@@ -124,13 +130,17 @@ class Choice:
             return self._flush(len(self.text)), []
         content, calls = parse_tool_calls(self.text[self.emitted :])
         self.emitted = len(self.text)
+        self.shown += content
         return content, calls
 
     def full(self) -> tuple[str, list[Any]]:
         """Non-streamed: (content, tool calls) of the whole text."""
         if not self.tools:
+            self.shown = self.text
             return self.text, []
-        return parse_tool_calls(self.text)
+        content, calls = parse_tool_calls(self.text)
+        self.shown = content
+        return content, calls
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
@@ -190,6 +200,7 @@ class Routes:
         self.engine = engine
         self.options = options
         self.responses_store = ResponseStore(options.responses_kept)
+        self.turns = TurnMemory(options.splice_rollouts, options.splice_tokens)
 
     # ------------------------------------------------------------ shared steps
 
@@ -209,15 +220,30 @@ class Routes:
             )
         return str(name)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
+        """The prompt ids of chat messages; assistant turns this engine generated for the request's rollout, as
+        they were answered, carry the ids it sampled for them (see clawpipe.serving.splice)."""
         template_tools: Any = tools or None
+        rollout = REQUEST_ROLLOUT.get() if self.options.splice else None
         try:
+            found = self.turns.find(rollout, messages) if rollout else {}
+            if found:
+                got = render_spliced(self.engine.tokenizer, messages, template_tools, found, set(self.engine.stop_ids))
+                if got is not None:
+                    self.turns.count(len(found), got[1])
+                    return Prompt(got[0], got[1], rollout)
             ids: Any = self.engine.tokenizer.apply_chat_template(
                 messages, tools=template_tools, tokenize=True, add_generation_prompt=True, return_dict=False
             )
         except Exception as exc:
             raise RequestError(f"the messages cannot be rendered through the chat template: {exc}") from exc
-        return [int(t) for t in ids]
+        return Prompt([int(t) for t in ids], 0, rollout)
+
+    def keep_turn(self, prompt: list[int], choice: Choice, calls: list[Any]) -> None:
+        """Remember a finished choice of a rollout's request, as the client was shown it, for its next turns."""
+        rollout = getattr(prompt, "rollout", None)
+        if rollout and self.options.splice and choice.finish_reason is not None:
+            self.turns.remember(rollout, choice.shown, calls, choice.token_ids)
 
     def max_tokens(self, requested: int | None, n_prompt: int) -> int:
         if requested is None:

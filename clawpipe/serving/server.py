@@ -45,6 +45,7 @@ from clawpipe.serving.routes import (
     json_body,
     openai_error,
 )
+from clawpipe.serving.splice import REQUEST_ROLLOUT, ROLLOUT_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
 
     def endpoint(handler: Callable[[dict[str, Any]], Any], error: Callable[..., JSONResponse]) -> Callable[..., Any]:
         async def run(request: Request) -> Response:
+            # the proxy names the call's rollout; the handler's task copies this context when it is created
+            REQUEST_ROLLOUT.set(request.headers.get(ROLLOUT_HEADER) or None)
             try:
                 return await _unless_disconnected(request, asyncio.ensure_future(handler(await json_body(request))))
             except RequestError as exc:
@@ -217,7 +220,7 @@ def _open_engine(
 ) -> tuple[Engine, ServeOptions, socket.socket]:
     """The engine, the route options (admin token resolved) and a socket bound to host:port, for one server.
 
-    kwargs: Engine options plus ServeOptions (admin_token, default_max_tokens, max_tokens_cap).
+    kwargs: Engine options plus ServeOptions (admin_token, default_max_tokens, max_tokens_cap, splice).
     """
     engine_kwargs = dict(kwargs)
     opts = ServeOptions(
@@ -226,6 +229,7 @@ def _open_engine(
         max_tokens_cap=engine_kwargs.pop("max_tokens_cap", None),
         reload_roots=_reload_roots(engine_kwargs.pop("reload_roots", None)),
         responses_kept=engine_kwargs.pop("responses_kept", 1024),
+        splice=engine_kwargs.pop("splice", True),
     )
     engine = Engine(model_dir, **engine_kwargs)
     return engine, opts, listen_socket(host, port)

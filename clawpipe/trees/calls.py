@@ -25,6 +25,7 @@ OPTIONAL: dict[str, pa.DataType] = {
     "seq": pa.int64(),
     "t_start": pa.timestamp("us", tz="UTC"),
     "status": pa.string(),
+    "spliced_tokens": pa.int32(),
     "policy_version": pa.int64(),
     "completion_token_ids": pa.list_(pa.int32()),
     "completion_logprobs": pa.list_(pa.float32()),
@@ -76,6 +77,7 @@ class CallBatch:
     reward_of_rollout: np.ndarray  # NaN where unknown
     mv_prompt: memoryview = field(repr=False)
     mv_completion: memoryview = field(repr=False)
+    spliced: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)  # per row
 
     def key(self, r: int) -> bytes:
         """Row r's sequence (prompt + generated completion) as big-endian uint32 bytes."""
@@ -152,4 +154,5 @@ def prepare(calls: pa.Table) -> CallBatch:
         reward_of_rollout=reward_of_rollout,
         mv_prompt=memoryview(p_be),  # type: ignore[arg-type]
         mv_completion=memoryview(c_be),  # type: ignore[arg-type]
+        spliced=pc.fill_null(calls["spliced_tokens"], 0).to_numpy().astype(np.int64),
     )

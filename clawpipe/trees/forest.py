@@ -143,8 +143,15 @@ def _add_tree(
             "truncated_calls": len(set(calls[b.truncated[all_rows]].tolist())),
             "kept_out_retokenized": len(set(calls[b.retokenized[all_rows]].tolist())),
             "kept_out_no_ids": len(set(calls[b.no_ids[all_rows]].tolist())),
+            "spliced_tokens": _spliced(b, all_rows),
         }
     )
+
+
+def _spliced(b: CallBatch, rows: np.ndarray) -> int:
+    """Prompt ids the engine carried over from earlier completions, once per call (its choices share a prompt)."""
+    _, first = np.unique(b.call_code[rows], return_index=True)
+    return int(b.spliced[rows[first]].sum())
 
 
 def build_forest(calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[str, ...] = SCOPES) -> Forest:

@@ -44,6 +44,7 @@ class BuildSummary:
     truncated_calls: int
     kept_out_retokenized: int  # calls kept out of the trees: ids re-encoded by the proxy
     kept_out_no_ids: int  # calls kept out of the trees: no prompt ids
+    spliced_tokens: int  # prompt ids the engine carried over from the rollouts' earlier completions
     seconds: float
 
 
@@ -155,5 +156,6 @@ def _summarise(run_id: str, iteration: int, nodes: pa.Table, stats: pa.Table, se
         truncated_calls=sum(s["truncated_calls"] for s in rows),
         kept_out_retokenized=sum(s["kept_out_retokenized"] for s in rows),
         kept_out_no_ids=sum(s["kept_out_no_ids"] for s in rows),
+        spliced_tokens=sum(s["spliced_tokens"] for s in rows),
         seconds=seconds,
     )

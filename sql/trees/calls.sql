@@ -14,7 +14,8 @@ with calls as (
         completion_token_ids,
         completion_logprobs,
         finish_reason,
-        token_source
+        token_source,
+        spliced_tokens
     from model_calls
     where run_id = $run_id and iteration = $iteration
 ),
