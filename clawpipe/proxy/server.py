@@ -464,9 +464,6 @@ class ProxyServer:
         # the rollout, for the engine to carry its own sampled ids into the rollout's next prompts; a header of
         # that name from the client is never forwarded (only FORWARDED_REQUEST_HEADERS are)
         fwd_headers += wire.rollout_header(header["run_id"], header["iteration"], header["rollout_id"])
-        # the rollout, for the engine to carry its own sampled ids into the rollout's next prompts; a header of
-        # that name from the client is never forwarded (only FORWARDED_REQUEST_HEADERS are)
-        fwd_headers += wire.rollout_header(header["run_id"], header["iteration"], header["rollout_id"])
         query = header["query"]
         target = path + "?" + query if query else path
         call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=self.config.max_response_bytes)
