@@ -178,7 +178,8 @@ class Route:
         land(self.capture_dir, self.lake_dir)
         return run_sql(
             self.lake_dir,
-            "select seq, api, stream, status, token_source, prompt_token_ids, completion_token_ids, tool_calls "
+            "select seq, api, stream, status, http_status, token_source, prompt_token_ids, completion_token_ids, "
+            "tool_calls, finish_reason, request "
             "from model_calls where rollout_id = $r order by seq, choice_index",
             {"r": self.rollout_id},
         ).to_pylist()
