@@ -105,3 +105,22 @@ def test_litellm_responses_tool_round_trip(route: Route, stream: bool, registere
     texts = [c.text for o in second.output if o.type == "message" for c in o.content]
     assert texts == [FINAL_TEXT]
     route.check_captured([("responses", stream)] * 2)
+
+
+@pytest.mark.parametrize("route", ["direct", "url"], indirect=True)
+def test_litellm_maps_unknown_model_names_to_not_found(route: Route) -> None:
+    """An unserved model name is a 404 in each API's error shape, which litellm maps to its NotFoundError for
+    both providers, with the engine's message naming the served names; the proxy captures both calls."""
+    ask: dict[str, Any] = {"messages": [{"role": "user", "content": USER}], "max_tokens": 4, "num_retries": 0}
+    with pytest.raises(litellm.NotFoundError, match=f"does not exist: this server serves {MODEL}"):
+        litellm.completion(model="openai/gpt-4o", api_base=route.openai_base(), api_key=route.openai_key(), **ask)
+    with pytest.raises(litellm.NotFoundError, match=f"does not exist: this server serves {MODEL}"):
+        litellm.completion(
+            model="anthropic/claude-x", api_base=route.anthropic_base(), api_key=route.anthropic_key(), **ask
+        )
+    rows = route.landed_calls()
+    if route.proxied:
+        assert [(r["api"], r["status"], r["http_status"]) for r in rows] == [
+            ("chat", "http_error", 404),
+            ("messages", "http_error", 404),
+        ]
