@@ -83,3 +83,29 @@ def test_langchain_anthropic_tool_round_trip(route: Route, stream: bool) -> None
     # streamed usage too: the engine reports input tokens in message_delta
     assert second.usage_metadata is not None and second.usage_metadata["input_tokens"] > 0
     route.check_captured([("messages", stream)] * 2)
+
+
+@pytest.mark.parametrize("route", ANTHROPIC_ROUTES, indirect=True)
+def test_langchain_anthropic_counts_tokens(route: Route) -> None:
+    """LangChain's token counting (the Messages count_tokens endpoint, with tools) agrees with the prompt the
+    engine then runs; through the proxy it is captured as count_tokens without ids, beside the ids of the call."""
+    chat = ChatAnthropic(
+        model=MODEL,
+        base_url=route.anthropic_base(),
+        api_key=route.anthropic_key(),
+        default_headers=route.anthropic_headers(),
+        temperature=0,
+        max_tokens=64,
+        max_retries=0,
+    )
+    messages: list[BaseMessage] = [HumanMessage(USER)]
+    counted = chat.get_num_tokens_from_messages(messages, tools=[ANTHROPIC_TOOL])
+    answer = chat.bind_tools([ANTHROPIC_TOOL]).invoke(messages)
+    assert answer.usage_metadata is not None and counted == answer.usage_metadata["input_tokens"]
+    rows = route.landed_calls()
+    if route.proxied:
+        assert [(r["api"], r["status"], r["token_source"]) for r in rows] == [
+            ("count_tokens", "ok", "none"),
+            ("messages", "ok", "upstream"),
+        ]
+        assert rows[0]["prompt_token_ids"] is None and len(rows[1]["prompt_token_ids"]) == counted
