@@ -34,17 +34,13 @@ from typing import Any
 
 import psutil
 
+from clawpipe.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("CLAWPIPE_SHARED_BENCH", ROOT.parent / "shared" / "bench"))
 PY = sys.executable
 SECRET = b"bench-secret"
 CASES = [("small", 1, 2000), ("small", 32, 4000), ("large", 1, 300), ("large", 32, 600)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pin(core: int | None) -> list[str]:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clawpipe.net import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 HARNESSES = ("claude-code", "codex", "qwen-code", "openclaw")
 # Each CLI as the tests run it: variant name -> (harness, the API it speaks, extra environment). OpenClaw
@@ -130,11 +132,7 @@ class Blackhole:
 
 def closed_port_url() -> str:
     """A loopback URL where nothing listens (connection refused)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def strip_cache_control(obj: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import anthropic
@@ -10,14 +9,9 @@ import httpx
 import openai
 import pytest
 
+from clawpipe.net import free_port
 from tests.proxy.conftest import SECRET, ProxyHandle, key_for
 from tests.support.upstream import ScriptedUpstream, say
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -88,7 +82,7 @@ def test_unknown_path_is_404_and_captured(proxy: ProxyHandle, upstream):
 
 
 def test_upstream_down_is_502_and_captured(make_proxy):
-    proxy = make_proxy([f"http://127.0.0.1:{_free_port()}"])
+    proxy = make_proxy([f"http://127.0.0.1:{free_port()}"])
     client = openai.OpenAI(base_url=proxy.openai_base("rd"), api_key="x", max_retries=0)
     with pytest.raises(openai.APIStatusError) as err:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])

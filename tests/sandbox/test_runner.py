@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 from clawpipe.capture import read_results
 from clawpipe.errors import ManifestError, SandboxError
 from clawpipe.keys import verify_key
+from clawpipe.net import free_port
 from clawpipe.sandbox import RolloutSpec, iter_rollouts, load_manifest, masked_groups, run_rollouts
 from clawpipe.sandbox.backends.base import Outcome, SandboxJob
 from clawpipe.sandbox.backends.process import ProcessBackend
@@ -206,10 +206,7 @@ def test_proxy_down_is_an_infra_error(tmp_path: Path, upstream: Upstream, echo: 
     res = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend=ProxyDownBackend(), max_attempts=2)
     assert (res[0].status, res[0].attempt) == ("infra_error", 2)
     assert "could not reach the proxy" in res[0].error
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    port = free.getsockname()[1]
-    free.close()  # nothing listens there now
+    port = free_port()  # nothing listens there now
     with pytest.raises(SandboxError, match="nothing answers at the proxy"):
         run_rollouts(
             specs_for(m, echo, 1),

@@ -60,16 +60,15 @@ def test_model_publish_reloads_a_running_server(policy_dir: Path, tmp_path: Path
 @pytest.mark.slow
 def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: Path, tmp_path: Path) -> None:
     """The command line the pipeline starts: `clawpipe serve` with repeated --served-name and --reload-root."""
-    import socket
     import subprocess
     import sys
     import time
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from clawpipe.net import free_port
+
+    port = free_port()
     root = tmp_path / "ckpts"
     cmd = [sys.executable, "-m", "clawpipe", "serve", "--model", str(policy_dir), "--port", str(port)]
     cmd += ["--served-name", "clawpipe-policy", "--served-name", "alias", "--reload-root", str(root)]
