@@ -25,12 +25,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clawpipe import schemas, tables
-from clawpipe.lake import manifest, rows, sources
+from clawpipe.lake import id_index, manifest, rows, sources
 from clawpipe.lake.parse import parse_response
 from clawpipe.tables import TMP_SUFFIX, LakeFS
 
@@ -86,19 +88,15 @@ class _Partition:
     def __init__(self, lake: LakeFS, run_id: str, iteration: int) -> None:
         self.run_id, self.iteration = run_id, iteration
         self.rel = tables.partition_rel("model_calls", run_id, iteration)
-        self.seen: set[str] = _landed_call_ids(lake, self.rel)
+        # committed parts are checked through their id sidecars, a row group at a time (flush_rows);
+        # this run's own calls through a set, as they are met
+        self.index = id_index.PartitionIndex(lake, self.rel)
+        self.seen: set[str] = set()
         self.rows: list[tuple[Any, ...]] = []
         self.landed = 0  # calls landed into this partition by this run
         self.writer: pq.ParquetWriter | None = None
         self.part: str | None = None
-
-
-def _landed_call_ids(lake: LakeFS, rel: str) -> set[str]:
-    seen: set[str] = set()
-    for part in lake.list_files(rel, suffix=".parquet"):
-        col = lake.read_parquet(part, columns=["call_id"]).column("call_id")
-        seen.update(col.to_pylist())
-    return seen
+        self.part_hashes: list[np.ndarray] = []  # id hashes of the rows written to ``part``
 
 
 class _Batch:
@@ -165,17 +163,35 @@ class _Batch:
         for p in self.partitions.values():
             if not p.rows:
                 continue
-            table = self._calls_table(p)
+            hashes = self._drop_landed(p)
+            table = self._calls_table(p) if p.rows else None
             p.rows = []
             if table is None:
                 continue
             if p.writer is None:
                 p.part = f"{p.rel}/part-{self.id}.parquet"
-                self.parts.append(p.part)
+                self.parts += [p.part, id_index.sidecar(p.part)]  # the sidecar commits (or rolls back) with it
                 manifest.write_pending(self.lake, self.id, self.parts)
                 p.writer = self.lake.open_parquet_writer(p.part, schemas.MODEL_CALLS)
             p.writer.write_table(table, row_group_size=1 << 20)
+            p.part_hashes.append(np.array([hashes[c] for c in pc.unique(table.column(0)).to_pylist()], np.uint64))
         self.buffered = 0
+
+    def _drop_landed(self, p: _Partition) -> dict[str, int]:
+        """Drop the buffered calls a committed part already holds (counted as duplicates); returns the
+        id hash of every buffered call."""
+        call_ids = list(dict.fromkeys([r[0] for r in p.rows]))  # a call's rows are contiguous
+        hashes = id_index.hash_ids(call_ids)
+        if p.index:
+            dup = p.index.landed(call_ids, hashes)
+            if dup:
+                n_rows = sum(1 for r in p.rows if r[0] in dup)
+                p.rows = [r for r in p.rows if r[0] not in dup]
+                self.report.calls -= len(dup)
+                self.report.rows -= n_rows
+                self.report.duplicates += len(dup)
+                p.landed -= len(dup)  # they stay in p.seen: landed already, so any further copy is one too
+        return dict(zip(call_ids, hashes.tolist(), strict=True))
 
     def _calls_table(self, p: _Partition) -> pa.Table | None:
         """The partition's buffered rows as Arrow, less the calls with a row that does not fit (rejected)."""
@@ -215,7 +231,8 @@ class _Batch:
             if p.writer is not None and p.part is not None:
                 p.writer.close()
                 self.lake.move(p.part + TMP_SUFFIX, p.part)
-                p.writer, p.part = None, None
+                self.lake.write_bytes(id_index.sidecar(p.part), id_index.encode(np.concatenate(p.part_hashes)))
+                p.writer, p.part, p.part_hashes = None, None, []
         for (run_id, iteration), new_rows in self.rollout_rows.items():
             _merge_rollouts(self.lake, run_id, iteration, new_rows)
         report.batches += 1

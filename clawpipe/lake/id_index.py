@@ -1,0 +1,104 @@
+"""The persisted call-id index of a ``model_calls`` partition: which call ids its committed parts hold.
+
+Each part ``part-<x>.parquet`` has a sidecar ``part-<x>.ids``: the sorted, distinct 64-bit hashes
+(blake2b) of its call ids, little-endian. The sidecar is written with its part and committed by the
+same manifest entry (it is listed among the batch's parts, so a rolled-back batch loses both), and
+views never read it (their globs match ``*.parquet`` only).
+
+A landing run checks the calls it is about to write against the sidecars, a batch of hashes at a time
+(``searchsorted`` over each sidecar, memory-mapped on a local lake): the cost per call depends on the
+number of parts, not on how many calls were landed before, and nothing proportional to the partition is
+loaded. A hash hit is confirmed against the call ids of that part alone (a 64-bit collision must not
+drop a call), so only true duplicates cost a read of their part. A part without a sidecar (landed before
+sidecars existed, or written by compaction) gets one built from its ``call_id`` column the first time
+its partition is landed into.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+
+from clawpipe.tables import LakeFS
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".ids"
+_PARQUET = ".parquet"
+_DTYPE = np.dtype("<u8")
+
+
+def sidecar(part: str) -> str:
+    """The sidecar path of a part file."""
+    return part[: -len(_PARQUET)] + SUFFIX if part.endswith(_PARQUET) else part + SUFFIX
+
+
+def hash_ids(call_ids: Iterable[str]) -> np.ndarray:
+    """64-bit hashes of call ids, in order (stable across processes and versions)."""
+    digest = b"".join([hashlib.blake2b(c.encode(), digest_size=8).digest() for c in call_ids])
+    return np.frombuffer(digest, dtype=_DTYPE)
+
+
+def encode(hashes: np.ndarray) -> bytes:
+    """Sidecar bytes of a part's hashes (sorted and distinct)."""
+    return np.unique(hashes).astype(_DTYPE, copy=False).tobytes()
+
+
+class PartitionIndex:
+    """The sidecars of one partition's committed parts, opened once per landing run."""
+
+    def __init__(self, lake: LakeFS, rel: str) -> None:
+        self.lake, self.rel = lake, rel
+        self.parts: list[tuple[str, np.ndarray]] = []  # (part, sorted hashes)
+        self._confirmed: dict[str, set[str]] = {}  # call ids of parts a hash hit was confirmed in
+        files = lake.list_files(rel, recursive=False)
+        have = {f for f in files if f.endswith(SUFFIX)}
+        for part in (f for f in files if f.endswith(_PARQUET)):
+            side = sidecar(part)
+            if side not in have:
+                self._build(part, side)
+            arr = self._open(side)
+            if arr.size:
+                self.parts.append((part, arr))
+
+    def _build(self, part: str, side: str) -> None:
+        ids = self.lake.read_parquet(part, columns=["call_id"]).column("call_id").to_pylist()
+        self.lake.write_bytes(side, encode(hash_ids(c for c in ids if c is not None)))
+        log.info("built the call-id sidecar of %s (%d rows)", part, len(ids))
+
+    def _open(self, side: str) -> np.ndarray:
+        if self.lake.is_local:
+            path = self.lake.full(side)
+            try:
+                return np.memmap(path, dtype=_DTYPE, mode="r")
+            except ValueError:  # an empty file cannot be mapped: a part without calls
+                return np.empty(0, dtype=_DTYPE)
+        return np.frombuffer(self.lake.read_bytes(side), dtype=_DTYPE)
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def landed(self, call_ids: list[str], hashes: np.ndarray) -> set[str]:
+        """The call ids among ``call_ids`` (with their ``hashes``) that a committed part already holds."""
+        out: set[str] = set()
+        if not self.parts or not call_ids:
+            return out
+        order = np.argsort(hashes, kind="stable")
+        sorted_h = hashes[order]
+        for part, arr in self.parts:
+            pos = np.searchsorted(arr, sorted_h)
+            pos[pos == arr.size] = 0
+            hit = arr[pos] == sorted_h
+            if not hit.any():
+                continue
+            maybe = {call_ids[i] for i in order[hit].tolist()}
+            # confirm against the part itself: a hash collision must never drop a call
+            ids = self._confirmed.get(part)
+            if ids is None:
+                col = self.lake.read_parquet(part, columns=["call_id"]).column("call_id")
+                ids = self._confirmed[part] = set(col.to_pylist())
+            out |= maybe & ids
+        return out
