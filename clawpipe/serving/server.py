@@ -129,6 +129,7 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
             "model": engine.served_name,
             **engine.load(),
             "stats": dict(engine.stats),
+            "splice": dict(routes.turns.stats),  # completions kept, turns and ids carried into later prompts
         }
 
     return app

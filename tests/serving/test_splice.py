@@ -212,8 +212,11 @@ def test_chat_loop_prompts_extend_the_sampled_ids(tiny_server: Any, policy_dir: 
     model = load_model(policy_dir, "cpu")
     recomputed = compute_logprobs(model, prompt, choice["token_ids"])
     assert max(abs(a - b) for a, b in zip(lps, recomputed, strict=True)) < 1e-4
+    before = httpx.get(tiny_server.url + "/health").json()["splice"]
     plain = _post(tiny_server.url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}, None)
     assert plain["spliced_tokens"] == 0 and plain["prompt_token_ids"][: len(prev)] != prev
+    after = httpx.get(tiny_server.url + "/health").json()["splice"]
+    assert after["spliced_tokens"] == before["spliced_tokens"] >= carried - len(choice["token_ids"])
 
 
 SCRIPTED_BODIES: dict[str, Any] = {
