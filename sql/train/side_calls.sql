@@ -16,13 +16,12 @@
 -- Every call in the other lineages of the fork is a side call. Nodes are numbered in preorder, so the
 -- subtree of node n is [n, first later node with depth <= depth(n)). A call sits where its path ends (the
 -- trees room's tree_sequences), so an identical sample of another call sits where that call does.
+-- include: common/latest_rollouts
 with runs as (
     select
         rollout_id,
         harness
-    from rollouts
-    where run_id = $run_id and iteration = $iteration
-    qualify row_number() over (partition by rollout_id order by attempt desc nulls last) = 1
+    from latest_rollouts
 ),
 
 listed as (

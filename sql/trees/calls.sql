@@ -1,6 +1,7 @@
 -- Input of the tree builder: every call x choice of one run iteration with its rollout's group, reward and
 -- order (clawpipe.trees.forest). `$group_ids` restricts to some groups (tree building goes group by group
 -- to bound memory); `$all_groups` = true ignores it. Rollouts without a group form a group of their own.
+-- include: common/latest_rollouts
 with calls as (
     select
         call_id,
@@ -27,9 +28,7 @@ runs as (
         sample_idx,
         reward,
         status as rollout_status
-    from rollouts
-    where run_id = $run_id and iteration = $iteration
-    qualify row_number() over (partition by rollout_id order by attempt desc nulls last) = 1
+    from latest_rollouts
 ),
 
 final as (

@@ -1,12 +1,11 @@
 -- Groups of one run iteration with their call count and token volume, to plan tree building in
 -- memory-bounded batches of whole groups. Rollouts without a group form a group of their own.
+-- include: common/latest_rollouts
 with runs as (
     select
         rollout_id,
         group_id
-    from rollouts
-    where run_id = $run_id and iteration = $iteration
-    qualify row_number() over (partition by rollout_id order by attempt desc nulls last) = 1
+    from latest_rollouts
 ),
 
 final as (
