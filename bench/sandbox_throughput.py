@@ -188,6 +188,7 @@ def main() -> None:
             f"bwrap adds {added:.1f} ms median over the process backend (target <= 30 ms); "
             f"RSS 512/64 = {figures['ratios']['rss_512_over_64']}"
         )
+        figures["load"] = [round(x, 1) for x in os.getloadavg()]  # shared machine: the load beside the figures
         print(json.dumps(figures))
     finally:
         up.close()

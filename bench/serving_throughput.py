@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -142,6 +143,7 @@ def main() -> None:
         f"tiny {results['speedup_tiny_c16']}x tok/s, {ratio}x req/s"
     )
     results["batching_speedup_16_clients"] = ratio
+    results["load"] = [round(x, 1) for x in os.getloadavg()]  # shared machine: the load beside the figures
     print(json.dumps(results))
 
 

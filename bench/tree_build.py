@@ -291,6 +291,7 @@ def main() -> None:
         f"({res['builder_vs_naive_with_conversion_ratio']:.2f}x with conversion)"
     )
     print(f"peak RSS {peak:.0f} MB (start {base_rss:.0f} MB) for {res['input_mb']} MB of input")
+    res["load"] = [round(x, 1) for x in os.getloadavg()]  # shared machine: the load beside the figures
     print(json.dumps(res))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -188,6 +189,7 @@ def main() -> None:
         "ideal": round(ideal, 3),
         "ratio": round(speedup / ideal, 3),
     }
+    result["load"] = [round(x, 1) for x in os.getloadavg()]  # shared machine: the load beside the figures
     print(json.dumps(result))
 
 
