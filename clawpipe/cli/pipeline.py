@@ -34,6 +34,7 @@ def run(
     config: Path | None = typer.Option(None, "--config", help="Pipeline TOML (fields of PipelineConfig)."),
     iterations: int | None = typer.Option(None, "--iterations", help="Override the number of iterations."),
     backend: str | None = typer.Option(None, "--backend", help="Override the sandbox backend: bwrap|docker|process."),
+    mode: str | None = typer.Option(None, "--mode", help="Override the loop: sync|async (rollouts overlap training)."),
     resume: str | None = typer.Option(None, "--resume", help="Continue RUN_ID from its last completed iteration."),
     summary_out: Path | None = typer.Option(None, "--summary-out", help="Write the final summary JSON here."),
 ) -> None:
@@ -48,7 +49,7 @@ def run(
     if resume:
         cmd += ["--run-id", resume, "--resume"]
     else:  # validated once here, before anything starts; the flow reads the same model back
-        cfg = load_config(config, iterations=iterations, backend=backend)
+        cfg = load_config(config, iterations=iterations, backend=backend, mode=mode)
         check_prerequisites(cfg)
         run_id = new_run_id(cfg.run_name)
         path = write_config(cfg, get_settings().runs_dir / run_id / "config.json")

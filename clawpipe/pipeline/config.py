@@ -49,7 +49,7 @@ class PipelineConfig(BaseModel):
 
     run_name: str = Field(default="default", description="Human name; the run_id adds a timestamp to it.")
     experiment: str = Field(default="clawpipe", description="MLflow experiment the run is logged to.")
-    iterations: int = Field(default=8, ge=1, le=10_000, description="Training iterations.")
+    iterations: int = Field(default=10, ge=1, le=10_000, description="Training iterations.")
     harnesses: list[HarnessEntry] = Field(
         default_factory=lambda: [
             HarnessEntry(name="chat-loop", task_set="guess"),
@@ -69,7 +69,7 @@ class PipelineConfig(BaseModel):
         description="Rollouts per held-out task at the sampling temperature, beside one greedy rollout: their "
         "mean shows learning long before greedy decoding of a small policy does.",
     )
-    eval_every: int = Field(default=8, ge=1, description="Evaluate every N iterations (and after the last).")
+    eval_every: int = Field(default=10, ge=1, description="Evaluate every N iterations (and after the last).")
     mode: Literal["sync", "async"] = Field(
         default="sync",
         description="sync: each iteration rolls out, then trains. async: a rollout producer keeps rolling out "
@@ -94,11 +94,11 @@ class PipelineConfig(BaseModel):
     served_name: str = Field(default="clawpipe-policy", description="Model name harnesses ask for.")
     rollout_timeout_s: float | None = Field(default=None, gt=0, description="Override of each manifest's timeout.")
     train: dict[str, Any] = Field(
-        # Tuned for the tiny policy on CPU: a high learning rate, four optimizer epochs per batch (a step of
+        # Tuned for the tiny policy on CPU: a high learning rate, six optimizer epochs per batch (a step of
         # the tiny policy takes seconds in the run's training process, so epochs are cheap next to rollouts),
         # and NO entropy bonus: the untrained policy is near uniform (entropy 6.2 of ln 512 = 6.24), so a bonus
         # (0.02) held it there and the reward wandered; without it the entropy falls steadily.
-        default_factory=lambda: {"learning_rate": 0.006, "entropy_coef": 0.0, "epochs": 4},
+        default_factory=lambda: {"learning_rate": 0.006, "entropy_coef": 0.0, "epochs": 6},
         description="Trainer settings (clawpipe.train TrainConfig fields), validated before the run starts.",
     )
 

@@ -8,6 +8,13 @@ same way the CLI does (clawpipe.train.step.train_step, metrics into the run's ML
 metrics file and answers one JSON line on stdout. The child is still its own process: a crash in it fails
 the step (the task's retry starts a new child), never the flow. Run as ``python -m
 clawpipe.pipeline.train_worker``.
+
+A config with ``nproc > 1`` (distributed training) is the exception: this process then starts
+torch.distributed's launcher for the step (``clawpipe train`` as nproc ranks, clawpipe.train.launch) and
+waits for it, so each distributed step has ranks and a process group of its own. Ranks are not kept
+across steps on purpose: after a failed collective (a rank killed, an NCCL timeout) the communicator is
+unusable and the surviving ranks are in no known state, while a launch per step is torn down whole by the
+launcher; the import time it pays per step is small next to a step that needs several devices.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ def take_step(request: dict[str, Any]) -> dict[str, Any]:
 
     settings = prepare_environment()
     cfg = load_config(Path(request["config"]))
+    if cfg.nproc * cfg.nnodes > 1:
+        return _take_distributed_step(request, cfg)
     mlflow_run_id = request.get("mlflow_run_id")
     tracker = make_tracker(bool(mlflow_run_id))
     if mlflow_run_id:
@@ -58,6 +67,26 @@ def take_step(request: dict[str, Any]) -> dict[str, Any]:
     }
     Path(request["metrics_out"]).write_text(json.dumps(done, default=float))
     return done
+
+
+def _take_distributed_step(request: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """The step as nproc ranks under torch.distributed.run; their output goes to stderr (stdout is replies)."""
+    from clawpipe.train.launch import launcher_command, run_distributed, step_arguments
+
+    metrics_out = Path(request["metrics_out"])
+    args = step_arguments(
+        request["run_id"],
+        int(request["iteration"]),
+        config=Path(request["config"]),
+        policy=Path(request["policy"]),
+        out=Path(request["out"]),
+        metrics_out=metrics_out,
+        mlflow_run_id=request.get("mlflow_run_id"),
+        track=bool(request.get("mlflow_run_id")),
+    )
+    rdzv_id = f"{request['run_id']}-{request['iteration']}"
+    command = launcher_command(cfg.nproc, nnodes=cfg.nnodes, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=rdzv_id)
+    return run_distributed(command + args, metrics_out, output=sys.stderr.fileno())
 
 
 def serve(requests: IO[str], replies: IO[str]) -> None:

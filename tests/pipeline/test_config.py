@@ -59,6 +59,15 @@ def test_cli_rejects_bad_config_before_starting(tmp_path: Path) -> None:
     assert "prefect" not in out.stderr.lower()  # nothing started
 
 
+def test_cli_mode_override_is_validated_before_starting() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "clawpipe", "run", "--mode", "later"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "mode" in out.stderr and "async" in out.stderr
+    assert "prefect" not in out.stderr.lower()
+
+
 def test_unknown_harness_and_task_set_pairing_is_rejected() -> None:
     from clawpipe.pipeline.stages import check_prerequisites
 
