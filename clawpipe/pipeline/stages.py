@@ -420,4 +420,5 @@ def train(
 def _persistent_trainer(train_values: dict[str, Any]) -> bool:
     """Steps go to the run's long-lived training process (clawpipe.pipeline.train_worker) unless the step
     must be launched on its own (several processes) or CLAWPIPE_TRAIN_PROCESS=step asks for the CLI."""
-    return int(train_values.get("nproc") or 1) == 1 and os.environ.get("CLAWPIPE_TRAIN_PROCESS") != "step"
+    ranks = int(train_values.get("nproc") or 1) * int(train_values.get("nnodes") or 1)
+    return ranks == 1 and os.environ.get("CLAWPIPE_TRAIN_PROCESS") != "step"
