@@ -7,13 +7,15 @@ batch as Arrow tables shaped like ``sql/trees/calls.sql`` rows (built outside th
 
 Measured in one run, on one core, as process CPU time (the machine is shared; wall time is noise),
 the median of ``--repeat`` timings per batch:
-- builder: ``build_forest`` (rollout and group trees) per batch, flattened tokens / s (rollout-scope input);
+- builder: ``build_forest`` (rollout and group trees) per batch, unique tokens / s (the tokens the rollout
+  trees keep) beside flattened tokens / s (every replayed prompt token counted again);
 - naive: peers' greedy linear merge in plain Python (append a call to the current row when it extends it,
   else start a new row) over Python lists, on the first ``--naive-rollouts`` rollouts (lists of Python ints
   need ~30 bytes per token, so the full size would not fit);
 - floor: one vectorised numpy pass over every flattened token (a per-sequence checksum with
   ``np.add.reduceat`` over the Arrow value buffers): reading the input once, the floor any builder pays;
-- peak RSS against the input size and the largest batch.
+- peak RSS against the input size and the largest batch, and its growth against a measured floor: the bytes
+  of the unique token ids themselves (int32).
 
 Run: ``.venv/bin/python bench/tree_build.py`` (default 1,000 x 20 turns x 8k, about a minute);
 ``--rollouts 200`` for a quick run. Last line: JSON.
@@ -251,7 +253,9 @@ def main() -> None:
         "nodes": nodes_total,
         "branches": causes,
         "builder_s": round(t_build, 3),
-        "builder_tokens_per_s": round(rate),
+        "builder_tokens_per_s": round(rate),  # flattened: every replayed prompt token counted again
+        "builder_unique_tokens_per_s": round(unique_total / t_build),  # the tokens the trees keep
+        "flattened_per_unique": round(flat_total / max(1, unique_total), 2),
         "floor_s": round(t_floor, 3),
         "floor_tokens_per_s": round(floor_rate),
         "builder_vs_floor_time_ratio": round(t_build / t_floor, 2),
@@ -266,6 +270,9 @@ def main() -> None:
         "input_mb": round(input_bytes / 2**20, 1),
         "largest_batch_mb": round(biggest / 2**20, 1),
         "peak_rss_mb": round(peak, 1),
+        # memory against a measured floor: the bytes of the unique token ids themselves (int32)
+        "unique_ids_mb": round(unique_total * 4 / 2**20, 1),
+        "rss_growth_vs_unique_ids": round((peak - base_rss) / max(unique_total * 4 / 2**20, 1e-9), 2),
         "base_rss_mb": round(base_rss, 1),
         "target_tokens_per_s": 20_000_000,
         "meets_rate_target": rate >= 20e6,
@@ -276,7 +283,8 @@ def main() -> None:
         f"{flat_total:,} flattened tokens ({res['input_mb']} MB Arrow, largest batch {res['largest_batch_mb']} MB)"
     )
     print(
-        f"builder: {t_build:.2f} s  {rate / 1e6:.1f} M flattened tok/s  "
+        f"builder: {t_build:.2f} s  {unique_total / t_build / 1e6:.2f} M unique tok/s  "
+        f"{rate / 1e6:.1f} M flattened tok/s  "
         f"({nodes_total:,} nodes, both scopes; branches {causes})"
     )
     print(
@@ -290,7 +298,10 @@ def main() -> None:
         f"builder/naive speed on that subset {res['builder_vs_naive_speed_ratio']:.2f}x "
         f"({res['builder_vs_naive_with_conversion_ratio']:.2f}x with conversion)"
     )
-    print(f"peak RSS {peak:.0f} MB (start {base_rss:.0f} MB) for {res['input_mb']} MB of input")
+    print(
+        f"peak RSS {peak:.0f} MB (start {base_rss:.0f} MB) for {res['input_mb']} MB of input; growth "
+        f"{res['rss_growth_vs_unique_ids']:.1f}x the {res['unique_ids_mb']} MB of unique token ids (the floor)"
+    )
     res["load"] = [round(x, 1) for x in os.getloadavg()]  # shared machine: the load beside the figures
     print(json.dumps(res))
 
