@@ -3,8 +3,10 @@
 Run: ``.venv/bin/python bench/sandbox_throughput.py`` (as root, with bubblewrap; docker is measured when an
 engine answers or dockerd is installed, else reported as null). Prints human lines, then one JSON line.
 
-1. Median start-to-exit latency of a trivial Python harness (``pass``) through each backend's ``run``
-   (sandbox setup, cgroup, bridge listener, exit, teardown), next to a bare ``subprocess.run`` of the same.
+1. Start-to-exit of a trivial Python harness (``pass``) through each backend's ``run`` (sandbox setup,
+   cgroup, bridge listener, exit, teardown), next to a bare ``subprocess.run`` of the same, over 200
+   starts each (``CLAWPIPE_BENCH_STARTS``; docker a tenth): CPU time per sandbox (this process and its
+   reaped children) and wall-clock quantiles.
 2. Wall time of 64 concurrent rollouts of a short harness (two HTTP calls to a loopback upstream through
    the bridge) with bwrap, and the number of infra errors (target 0).
 3. The runner's peak RSS for 64 and for 512 short rollouts, each in a fresh process (results stream to
@@ -39,8 +41,11 @@ open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "answer.txt"), "w").write(reply
 """
 
 
-def latency(backend_name: str, n: int, tmp: Path, proxy_url: str) -> list[float]:
-    """Seconds from start to exit of a trivial harness through one backend's run()."""
+def latency(backend_name: str, n: int, tmp: Path, proxy_url: str) -> tuple[list[float], list[float]]:
+    """(wall seconds from start to exit, CPU seconds) of a trivial harness through one backend's run().
+
+    CPU is this process's plus its reaped children's (the sandbox and its harness); a docker container
+    is not a child, so docker's CPU figure holds the client side only."""
     from clawpipe.sandbox import load_manifest
     from clawpipe.sandbox.backends import SandboxJob, get_backend
     from clawpipe.sandbox.bridge import Bridge
@@ -48,7 +53,7 @@ def latency(backend_name: str, n: int, tmp: Path, proxy_url: str) -> list[float]
 
     m = load_manifest(make_harness(tmp / f"h-{backend_name}", "trivial", "pass\n"))
     backend = get_backend(backend_name)
-    times = []
+    times, cpus = [], []
     with Bridge(proxy_url) as bridge:
         for i in range(n + 1):
             rdir = tmp / f"lat-{backend_name}-{i}"
@@ -58,24 +63,50 @@ def latency(backend_name: str, n: int, tmp: Path, proxy_url: str) -> list[float]
                 for p in (rdir / "work", rdir / "work" / "out"):
                     os.chown(p, 65534, 65534)
             job = SandboxJob(f"lat{i}", m, rdir, "k", "m", 30.0, m.limits)
+            c0 = _cpu()
             t0 = time.perf_counter()
             out = backend.run(job, bridge)
             dt = time.perf_counter() - t0
+            dc = _cpu() - c0
             if out.exit_code != 0:
                 raise RuntimeError(f"{backend_name} trivial harness failed: {job.stderr_path.read_text()[-500:]}")
             if i:  # the first run warms caches (and imports the docker image)
                 times.append(dt)
+                cpus.append(dc)
     backend.close()
-    return times
+    return times, cpus
 
 
-def bare_latency(n: int) -> list[float]:
-    times = []
+def _cpu() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def bare_latency(n: int) -> tuple[list[float], list[float]]:
+    times, cpus = [], []
     for _ in range(n):
+        c0 = _cpu()
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", "pass"], check=True)
         times.append(time.perf_counter() - t0)
-    return times
+        cpus.append(_cpu() - c0)
+    return times, cpus
+
+
+def quantiles_ms(v: list[float]) -> dict[str, float] | None:
+    """p10, p50, p90, p99 and the mean in ms."""
+    if not v:
+        return None
+    q = statistics.quantiles(v, n=100, method="inclusive")
+    return {
+        "p10": round(q[9] * 1000, 2),
+        "p50": round(statistics.median(v) * 1000, 2),
+        "p90": round(q[89] * 1000, 2),
+        "p99": round(q[98] * 1000, 2),
+        "mean": round(statistics.fmean(v) * 1000, 2),
+    }
 
 
 def batch(n: int, concurrency: int, backend: str, proxy_url: str, tmp: Path) -> dict[str, Any]:
@@ -146,17 +177,26 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="clawpipe-bench-"))
     engine = None
     try:
-        bare = bare_latency(15)
-        proc = latency("process", 15, tmp, up.url)
-        bw = latency("bwrap", 15, tmp, up.url)
+        starts = int(os.environ.get("CLAWPIPE_BENCH_STARTS", "200"))
+        bare = bare_latency(starts)
+        proc = latency("process", starts, tmp, up.url)
+        bw = latency("bwrap", starts, tmp, up.url)
         host, engine = docker_engine()
-        dock = latency("docker", 6, tmp, up.url) if host else []
-        med = {
-            k: statistics.median(v) * 1000 if v else None
-            for k, v in {"bare": bare, "process": proc, "bwrap": bw, "docker": dock}.items()
-        }
-        for k, v in med.items():
-            print(f"start-to-exit median {k:8}: " + (f"{v:7.1f} ms" if v is not None else "   n/a (no docker engine)"))
+        dock = latency("docker", max(1, starts // 10), tmp, up.url) if host else ([], [])
+        runs = {"bare": bare, "process": proc, "bwrap": bw, "docker": dock}
+        med = {k: statistics.median(w) * 1000 if w else None for k, (w, _) in runs.items()}
+        wall_q = {k: quantiles_ms(w) for k, (w, _) in runs.items()}
+        cpu_q = {k: quantiles_ms(c) for k, (_, c) in runs.items()}
+        for k, (w, _) in runs.items():
+            if not w:
+                print(f"start-to-exit {k:8}: n/a (no docker engine)")
+                continue
+            wq, cq = wall_q[k] or {}, cpu_q[k] or {}
+            print(
+                f"start-to-exit {k:8} ({len(w)} starts): wall p50 {wq['p50']:.1f} p90 {wq['p90']:.1f} "
+                f"p99 {wq['p99']:.1f} ms; CPU per sandbox p50 {cq['p50']:.1f} mean {cq['mean']:.1f} ms "
+                f"[load {' '.join(f'{x:.1f}' for x in os.getloadavg())}]"
+            )
         b64 = batch_in_subprocess(64, 64)
         print(
             f"64 concurrent short rollouts (bwrap): {b64['wall_s']:.2f} s, {b64['statuses']}, "
@@ -170,12 +210,17 @@ def main() -> None:
         added = med["bwrap"] - med["process"]
         figures = {
             "latency_median_ms": {k: (round(v, 2) if v is not None else None) for k, v in med.items()},
+            "starts": {k: len(w) for k, (w, _) in runs.items()},
+            "wall_ms": wall_q,
+            "cpu_ms_per_sandbox": cpu_q,
             "concurrent64": b64,
             "batch512": b512,
             "ratios": {
                 "bwrap_added_ms_over_process": round(added, 2),
                 "bwrap_added_ms_over_bare": round(med["bwrap"] - med["bare"], 2),
                 "bwrap_over_process": round(med["bwrap"] / med["process"], 3),
+                # CPU is what a sandbox costs the machine; wall time mostly measures the machine's load
+                "bwrap_added_cpu_ms_over_process": round(cpu_q["bwrap"]["mean"] - cpu_q["process"]["mean"], 2),
                 "docker_over_process": round(med["docker"] / med["process"], 3) if med["docker"] else None,
                 "rss_512_over_64": round(b512["peak_rss_mb"] / b64["peak_rss_mb"], 3),
             },
