@@ -1,8 +1,14 @@
-"""``clawpipe train``: one training step on an iteration's trees (imports torch only when run)."""
+"""``clawpipe train``: one training step on an iteration's trees (imports torch only when run).
+
+With ``--nproc N`` (or ``nproc`` in the config) this process starts torch.distributed's elastic launcher,
+which runs N ranks of this same command (clawpipe.train.launch); a rank sees WORLD_SIZE and trains its share.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -12,7 +18,7 @@ def register(app: typer.Typer) -> None:
 
 
 def train(
-    run: str = typer.Option(..., "--run", help="Run id whose trees to train on."),
+    run: str = typer.Option(..., "--run", "--run-id", help="Run id whose trees to train on."),
     iteration: int = typer.Option(..., "--iteration", help="Iteration whose trees to train on."),
     config: Path | None = typer.Option(None, "--config", help="TOML training config (TrainConfig fields)."),
     policy: Path | None = typer.Option(
@@ -27,6 +33,15 @@ def train(
     metrics_out: Path | None = typer.Option(
         None, "--metrics-out", help="Write {checkpoint, policy_version, metrics} as JSON here."
     ),
+    nproc: int | None = typer.Option(
+        None, "--nproc", help="Ranks per node (torch.distributed, FSDP2); default: the config's nproc (1)."
+    ),
+    nnodes: int | None = typer.Option(
+        None, "--nnodes", help="Nodes; run the same command on each (needs --rdzv-endpoint)."
+    ),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous on the first node (multi-node)."
+    ),
 ) -> None:
     from clawpipe.config import prepare_environment
     from clawpipe.errors import ConfigError
@@ -35,12 +50,17 @@ def train(
     from clawpipe.train.step import train_step
 
     settings = prepare_environment()
-    cfg = load_config(config, publish_url=publish_url)
+    cfg = load_config(config, publish_url=publish_url, nproc=nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
     out_dir = out or settings.models_dir / run
     policy_dir = policy or _newest_checkpoint(out_dir)
     if policy_dir is None:
         raise ConfigError(f"no checkpoint in {out_dir}: pass --policy DIR (e.g. one made by `clawpipe model init`)")
-    tracker = make_tracker(track)
+    rank = int(os.environ.get("RANK", "0"))
+    if cfg.nproc * cfg.nnodes > 1 and "WORLD_SIZE" not in os.environ:
+        done = _launch(cfg, run, iteration, policy_dir, out_dir, metrics_out, mlflow_run_id, track)
+        _summary(done["metrics"], done["policy_version"], Path(done["checkpoint"]), cfg.max_tokens_per_micro_batch)
+        return
+    tracker = make_tracker(track and rank == 0)  # one rank tracks a distributed step
     if mlflow_run_id:
         tracker.start_run(mlflow_run_id=mlflow_run_id)
     else:
@@ -61,6 +81,12 @@ def train(
         raise
     if not mlflow_run_id:
         tracker.end()
+    if "WORLD_SIZE" in os.environ:
+        from clawpipe.train.distributed import shutdown
+
+        shutdown()
+        if rank != 0:
+            return
     m = result.metrics
     if metrics_out is not None:
         import json
@@ -71,13 +97,55 @@ def train(
                 default=float,
             )
         )
+    _summary(m, result.policy_version, result.checkpoint_dir, cfg.max_tokens_per_micro_batch)
+
+
+def _launch(
+    cfg: Any,
+    run: str,
+    iteration: int,
+    policy_dir: Path,
+    out_dir: Path,
+    metrics_out: Path | None,
+    mlflow_run_id: str | None,
+    track: bool,
+) -> dict[str, Any]:
+    """Run this step as cfg.nproc ranks under torch.distributed.run; rank 0's result."""
+    from clawpipe.configfile import write_config
+    from clawpipe.train.launch import launcher_command, run_distributed, step_arguments
+
+    staging = out_dir / ".launch"
+    cfg_file = write_config(cfg, staging / f"train-{run}-{iteration}.json")  # every rank reads the same config
+    metrics_file = metrics_out or staging / f"metrics-{run}-{iteration}.json"
+    args = step_arguments(
+        run,
+        iteration,
+        config=cfg_file,
+        policy=policy_dir,
+        out=out_dir,
+        metrics_out=metrics_file,
+        mlflow_run_id=mlflow_run_id,
+        track=track,
+    )
+    command = launcher_command(
+        cfg.nproc, nnodes=cfg.nnodes, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=f"{run}-{iteration}"
+    )
+    return run_distributed(command + args, metrics_file)
+
+
+def _summary(m: dict[str, float], version: int, checkpoint: Path, target: int) -> None:
     typer.echo(
-        f"policy_version {result.policy_version} -> {result.checkpoint_dir}\n"
+        f"policy_version {version} -> {checkpoint}\n"
         f"loss {m.get('loss/total', float('nan')):.4f}  reward {m.get('reward/mean', float('nan')):.3f}  "
         f"tokens {int(m.get('tokens/flattened', 0))} flattened / {int(m.get('tokens/unique', 0))} unique  "
         f"{m.get('time/step_s', 0):.2f} s\n"
         f"micro-batches {int(m.get('micro_batches', 0))}, largest {int(m.get('tokens/largest_micro_batch', 0))} tokens "
-        f"(target {cfg.max_tokens_per_micro_batch}; a longer path gets a micro-batch of its own)"
+        f"(target {target}; a longer path gets a micro-batch of its own)"
+        + (
+            f"\nranks {int(m['dist/world_size'])}, balance {m.get('dist/balance', 1.0):.2f}"
+            if "dist/world_size" in m
+            else ""
+        )
     )
 
 

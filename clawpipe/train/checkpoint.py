@@ -3,6 +3,8 @@
 Layout of ``<out>/policy-v<N>/``: the model (config.json + model.safetensors, save_pretrained), the
 tokenizer files, ``optimizer.pt`` (AdamW state, to resume), ``value_head.safetensors`` (PPO) and
 ``trainer_state.json`` ({"policy_version": N, "parent": ..., "run_id": ..., "iteration": ..., "config": ...}).
+A distributed step (``nproc > 1``) writes ``sharded/`` (model and optimizer state, torch.distributed.checkpoint)
+instead of ``optimizer.pt``; the HF files beside it are the same plain, unsharded model.
 A checkpoint is written to a temporary sibling and renamed into place, so a crash never leaves half of one.
 """
 
@@ -78,6 +80,12 @@ def load_policy(policy_dir: str | os.PathLike[str], *, attn_implementation: str 
     return LoadedPolicy(model, tokenizer, read_policy_version(path), opt_state, head, path)
 
 
+def staging_dir(out_dir: str | os.PathLike[str], policy_version: int) -> Path:
+    """A fresh temporary sibling of ``policy-v<N>`` that is renamed into place once complete."""
+    final = checkpoint_dir(out_dir, policy_version)
+    return final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+
+
 def save_checkpoint(
     out_dir: str | os.PathLike[str],
     *,
@@ -87,11 +95,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     value_head: torch.nn.Module | None = None,
     meta: dict[str, Any] | None = None,
+    staged: Path | None = None,
 ) -> Path:
-    """Write ``<out>/policy-v<N>`` atomically and return it (an existing one is replaced)."""
+    """Write ``<out>/policy-v<N>`` atomically and return it (an existing one is replaced).
+
+    staged: a temporary folder (from :func:`staging_dir`) that already holds other parts of the checkpoint
+    (the distributed trainer's sharded state); it becomes the checkpoint."""
     final = checkpoint_dir(out_dir, policy_version)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = staged if staged is not None else staging_dir(out_dir, policy_version)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -161,8 +161,21 @@ class TrainConfig(BaseModel):
         "manifests' [training] exclude_side_calls.",
     )
 
-    # --- device ----------------------------------------------------------------------------------------------
+    # --- device and processes ------------------------------------------------------------------------------
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
+    nproc: int = Field(
+        1,
+        ge=1,
+        description="Processes (ranks) per node. Above 1 the step runs under torch.distributed's elastic launcher: "
+        "the policy sharded with FSDP2 (NCCL on GPUs, one GPU per rank; gloo on CPU), whole trees assigned to ranks "
+        "by balanced unique tokens, the loss normalised over the whole batch, so the update equals one process's.",
+    )
+    nnodes: int = Field(
+        1, ge=1, description="Nodes of a distributed step (each runs nproc ranks); > 1 needs rdzv_endpoint."
+    )
+    rdzv_endpoint: str | None = Field(
+        None, description="HOST:PORT of the rendezvous (c10d, on the first node) when nnodes > 1."
+    )
     bf16: bool = Field(True, description="Use bf16 autocast on CUDA (ignored on CPU).")
     seed: int = Field(0, description="Seed for torch.")
 
@@ -182,6 +195,8 @@ class TrainConfig(BaseModel):
             raise ValueError("algorithm = 'ppo' computes GAE advantages; leave advantage = 'outcome'")
         if self.leave_one_out and self.advantage != "outcome":
             raise ValueError("leave_one_out applies to advantage = 'outcome'; set it false for tree advantages")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint = 'HOST:PORT' (reachable from every node)")
         bad = {k: v for k, v in self.harness_weights.items() if v < 0}
         if bad:
             raise ValueError(f"harness_weights must be >= 0; got {bad}")

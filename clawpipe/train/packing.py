@@ -27,6 +27,7 @@ grouped so that rows x longest <= the target, and a longer sequence is a group o
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,12 +140,22 @@ def dfs_order(tree: TrainTree) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
-def pack_trees(batch: TrainBatch, budget: int, *, attention: str = "blocks", block: int = 128) -> list[MicroBatch]:
+def pack_trees(
+    batch: TrainBatch,
+    budget: int,
+    *,
+    attention: str = "blocks",
+    block: int = 128,
+    trees: Collection[int] | None = None,
+) -> list[MicroBatch]:
     """Tree layout: pieces bin-packed (first fit decreasing) into one-row micro-batches of <= budget tokens;
-    a piece longer than the budget (a long path) is a micro-batch of its own."""
+    a piece longer than the budget (a long path) is a micro-batch of its own. ``trees``: pack only these
+    tree indices (a rank's share in distributed training); contribution indices stay the batch's."""
     c = batch.contrib
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (tree, positions, owned)
     for ti, tree in enumerate(batch.trees):
+        if trees is not None and ti not in trees:
+            continue
         owned = np.unique(c.pos[c.tree == ti])
         for positions, own in split_tree(tree, owned, budget):
             if len(own):

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clawpipe.train import distributed
 from clawpipe.train.batch import build_batch
-from clawpipe.train.checkpoint import load_policy, publish, save_checkpoint
+from clawpipe.train.checkpoint import load_policy, publish, save_checkpoint, staging_dir
 from clawpipe.train.config import TrainConfig
 from clawpipe.train.loading import load_trees
 from clawpipe.train.trainer import Trainer
@@ -44,7 +45,11 @@ def train_step(
 
     tracker: anything with log_metrics(dict, step) (clawpipe.tracking); params are logged by the caller
     (or here when the tracker has not logged them yet).
+    Under torch.distributed's launcher (WORLD_SIZE > 1) this is one rank of a sharded step
+    (clawpipe.train.distributed): rank 0 loads the trees, writes the HF folder, publishes and tracks.
     """
+    ctx = distributed.init_from_env(config.device)
+    main = ctx is None or ctx.is_main
     loaded = load_policy(policy_dir)
     reference = load_policy(config.reference_policy).model if config.kl_coef > 0 and config.reference_policy else None
     value_head = None
@@ -63,29 +68,43 @@ def train_step(
         policy_version=loaded.policy_version,
         value_head=value_head,
         reference=reference,
-        optimizer_state=loaded.optimizer_state,
+        optimizer_state=loaded.optimizer_state if ctx is None else None,
+        dist=ctx,
     )
-    trees, infos, load_stats = load_trees(lake_root, run_id, iteration, config)
+    if ctx is not None:
+        _restore_sharded_optimizer(trainer, loaded.path)
+        # one reader of the lake; every rank then builds the same batch (global advantages and normalisers)
+        trees, infos, load_stats = distributed.broadcast_object(
+            load_trees(lake_root, run_id, iteration, config) if main else None, ctx
+        )
+    else:
+        trees, infos, load_stats = load_trees(lake_root, run_id, iteration, config)
     batch = build_batch(trees, infos, config, policy_version=loaded.policy_version)
     metrics = {f"load/{k}": float(v) for k, v in load_stats.items()}
     metrics.update(trainer.step(batch))
     new_version = loaded.policy_version + 1
-    path = save_checkpoint(
-        out_dir,
-        policy_version=new_version,
-        model=trainer.model,
-        tokenizer=loaded.tokenizer,
-        optimizer=trainer.optimizer,
-        value_head=trainer.value_head,
-        meta={
-            "parent": str(loaded.path),
-            "run_id": run_id,
-            "iteration": int(iteration),
-            "config": config.model_dump(mode="json"),
-        },
-    )
+    meta = {
+        "parent": str(loaded.path),
+        "run_id": run_id,
+        "iteration": int(iteration),
+        "config": config.model_dump(mode="json"),
+    }
+    if ctx is None:
+        path = save_checkpoint(
+            out_dir,
+            policy_version=new_version,
+            model=trainer.model,
+            tokenizer=loaded.tokenizer,
+            optimizer=trainer.optimizer,
+            value_head=trainer.value_head,
+            meta=meta,
+        )
+    else:
+        path = _save_distributed(trainer, ctx, out_dir, new_version, loaded, meta)
     metrics["policy_version"] = float(new_version)
     published = None
+    if not main:
+        return TrainResult(path, new_version, metrics, None)
     if config.publish_url:
         if admin_token is None:
             from clawpipe.config import get_settings
@@ -104,3 +123,46 @@ def train_step(
         metrics.get("loss/total", float("nan")),
     )
     return TrainResult(path, new_version, metrics, published)
+
+
+def _restore_sharded_optimizer(trainer: Trainer, policy_dir: Path) -> None:
+    assert trainer.scorer is not None
+    if distributed.load_sharded_optimizer(policy_dir / distributed.SHARDED_DIR, trainer.scorer, trainer.optimizer):
+        log.info("optimizer state restored from %s", policy_dir / distributed.SHARDED_DIR)
+    elif (policy_dir / "optimizer.pt").is_file():
+        log.warning(
+            "%s holds a single-process optimizer state (optimizer.pt), which a sharded step does not read: "
+            "starting a fresh optimizer",
+            policy_dir,
+        )
+
+
+def _save_distributed(
+    trainer: Trainer, ctx: distributed.DistContext, out_dir: Any, version: int, loaded: Any, meta: dict
+) -> Path:
+    """Every rank writes its shards into the staging folder; rank 0 adds the plain HF model and renames it."""
+    assert trainer.scorer is not None
+    staged = Path(distributed.broadcast_object(str(staging_dir(out_dir, version)) if ctx.is_main else None, ctx))
+    distributed.save_sharded(staged / distributed.SHARDED_DIR, trainer.scorer, trainer.optimizer)
+    state = distributed.full_state(trainer.scorer)  # collective; the tensors land on rank 0
+    path = Path(out_dir) / f"policy-v{version}"
+    if ctx.is_main:
+        model, head_state = distributed.export_model(loaded.model, state)
+        head = None
+        if head_state:
+            import torch
+
+            head = torch.nn.Linear(model.config.hidden_size, 1)
+            head.load_state_dict(head_state)
+        path = save_checkpoint(
+            out_dir,
+            policy_version=version,
+            model=model,
+            tokenizer=loaded.tokenizer,
+            optimizer=None,
+            value_head=head,
+            meta={**meta, "world_size": ctx.world},
+            staged=staged,
+        )
+    distributed.barrier()
+    return path

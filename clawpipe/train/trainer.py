@@ -4,6 +4,8 @@
     metrics = trainer.step(batch)            # forward/backward per micro-batch, clip, optimizer step
 
 `accumulate` runs forward + backward without stepping (the equivalence tests compare its gradients).
+With ``dist`` (clawpipe.train.distributed) the trainer is one rank of a sharded step: the policy is
+FSDP2-sharded, the rank packs only its share of the batch's trees, and the loss parts are batch totals.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,10 +23,15 @@ from clawpipe.errors import ConfigError
 from clawpipe.train import advantages as adv_mod
 from clawpipe.train.batch import TrainBatch
 from clawpipe.train.config import TrainConfig
-from clawpipe.train.losses import TermInputs, attention_for, contribution_loss, score
+from clawpipe.train.losses import Scores, TermInputs, attention_for, contribution_loss, score
 from clawpipe.train.packing import MicroBatch, pack_flat, pack_trees
 
+if TYPE_CHECKING:
+    from clawpipe.train.distributed import DistContext
+
 log = logging.getLogger(__name__)
+
+MAX_PARTS = ("ratio_max", "logprob/max_abs_diff_current")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,9 +61,11 @@ class Trainer:
         value_head: torch.nn.Module | None = None,
         reference: torch.nn.Module | None = None,
         optimizer_state: dict | None = None,
+        dist: DistContext | None = None,
     ) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        self.dist = dist
+        self.device = dist.device if dist is not None else resolve_device(config.device)
         if self.device.type == "cpu":
             from clawpipe.config import get_settings
 
@@ -75,9 +84,17 @@ class Trainer:
         self.reference = reference.to(self.device).eval() if reference is not None else None
         if config.kl_coef > 0 and self.reference is None:
             raise ConfigError("kl_coef > 0 needs a reference model: pass reference= (or set kl_coef = 0)")
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.value_head is not None:
-            self.params += list(self.value_head.parameters())
+        self.scorer: torch.nn.Module | None = None
+        if dist is not None:
+            from clawpipe.train import distributed
+
+            self.scorer = distributed.Scorer(self.model, self.value_head)
+            distributed.shard(self.scorer, dist)
+            self.params = [p for p in self.scorer.parameters() if p.requires_grad]
+        else:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            if self.value_head is not None:
+                self.params += list(self.value_head.parameters())
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -91,8 +108,11 @@ class Trainer:
     def pack(self, batch: TrainBatch, layout: str = "tree") -> list[MicroBatch]:
         cfg = self.config
         budget = cfg.max_tokens_per_micro_batch
+        share = self.share(batch)
         if layout == "tree":
-            mbs = pack_trees(batch, budget, attention=cfg.attention, block=cfg.attention_block_tokens)
+            mbs = pack_trees(batch, budget, attention=cfg.attention, block=cfg.attention_block_tokens, trees=share)
+        elif share is not None:
+            raise ConfigError("distributed training packs trees: use the tree layout")
         else:
             mbs = pack_flat(batch, budget)
         over = [mb.n_tokens for mb in mbs if mb.n_tokens > budget]
@@ -103,7 +123,21 @@ class Trainer:
                 budget,
                 max(over),
             )
-        return [mb.to(self.device) for mb in mbs]
+        mbs = [mb.to(self.device) for mb in mbs]
+        if self.dist is not None:  # every rank runs as many forwards as the busiest one (FSDP gathers in each)
+            from clawpipe.train.distributed import max_int, padding_micro_batch
+
+            most = max_int(len(mbs), self.dist)
+            mbs += [padding_micro_batch(self.device) for _ in range(most - len(mbs))]
+        return mbs
+
+    def share(self, batch: TrainBatch) -> set[int] | None:
+        """This rank's trees (None: all, single process)."""
+        if self.dist is None:
+            return None
+        from clawpipe.train.distributed import assign_trees
+
+        return set(assign_trees([t.n_tokens for t in batch.trees], self.dist.world)[self.dist.rank])
 
     def _autocast(self) -> torch.autocast:
         enabled = self.device.type == "cuda" and self.config.bf16
@@ -111,6 +145,11 @@ class Trainer:
 
     def _score(self, model: Any, mb: MicroBatch, value_head: torch.nn.Module | None = None):
         with self._autocast():
+            if self.scorer is not None and model is self.model:
+                lp, ent, value = self.scorer(
+                    mb, self.config.sampling_temperature, self.config.entropy_coef > 0, value_head is not None
+                )
+                return Scores(lp, ent, value)
             return score(
                 model,
                 mb,
@@ -127,6 +166,8 @@ class Trainer:
         if self.reference is not None:
             ref = np.zeros(len(c), dtype=np.float32)
             for mb in mbs:
+                if not len(mb.contrib_index):  # padding: the replicated reference needs no collective
+                    continue
                 s = self._score(self.reference, mb)
                 ref[mb.contrib_index] = s.logprob[mb.contrib_score].float().cpu().numpy()
             out["ref"] = ref
@@ -136,8 +177,27 @@ class Trainer:
                 s = self._score(self.model, mb, self.value_head)
                 assert s.value is not None
                 v[mb.contrib_index] = s.value[mb.contrib_score].float().cpu().numpy()
+            if self.dist is not None:  # whitening and GAE see every contribution's value
+                from clawpipe.train.distributed import all_reduce_array
+
+                v = all_reduce_array(v, self.dist)
             out["v_old"] = v
         return out
+
+    def _rank_totals(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Forward tokens over all ranks, the busiest rank's share, and the world size."""
+        from clawpipe.train.distributed import all_reduce_array
+
+        assert self.dist is not None
+        mine = metrics["tokens/forward"]
+        total = float(all_reduce_array(np.asarray([mine]), self.dist)[0])
+        busiest = float(all_reduce_array(np.asarray([mine]), self.dist, "max")[0])
+        return {
+            "tokens/forward": total,
+            "dist/world_size": float(self.dist.world),
+            "dist/forward_tokens_busiest_rank": busiest,
+            "dist/balance": total / (busiest * self.dist.world) if busiest else 1.0,
+        }
 
     def ppo_advantages(self, batch: TrainBatch, v_old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """GAE per contribution (whitened if configured) and value targets."""
@@ -169,10 +229,14 @@ class Trainer:
             with attention_for(self.model, mb):  # checkpointed layers re-run their attention in backward
                 parts = self._accumulate_one(batch, mb, epoch, state)
             for k, v in parts.items():
-                if k in ("ratio_max", "logprob/max_abs_diff_current"):
+                if k in MAX_PARTS:
                     sums[k] = max(sums[k], v)
                 else:
                     sums[k] += v
+        if self.dist is not None:
+            from clawpipe.train.distributed import merge_sums
+
+            return merge_sums(dict(sums), self.dist, MAX_PARTS)
         return dict(sums)
 
     def _accumulate_one(self, batch: TrainBatch, mb: MicroBatch, epoch: int, state: dict) -> dict[str, float]:
@@ -181,6 +245,10 @@ class Trainer:
         idx = mb.contrib_index
         out: dict[str, float] = {}
         s = self._score(self.model, mb, self.value_head)
+        if not len(idx):  # a padding micro-batch: zero loss, but every parameter takes part in the backward
+            zero = s.logprob.sum() * 0.0
+            (zero + s.value.sum() * 0.0 if s.value is not None else zero).backward()
+            return out
         lp = s.logprob[mb.contrib_score]  # (C_mb,)
         if epoch == 0:
             state["prox"][idx] = lp.detach().float().cpu().numpy()
@@ -245,6 +313,8 @@ class Trainer:
         metrics["micro_batches"] = float(len(mbs))
         metrics["tokens/forward"] = float(sum(mb.n_tokens for mb in mbs))
         metrics["tokens/largest_micro_batch"] = float(max(mb.n_tokens for mb in mbs))
+        if self.dist is not None:
+            metrics.update(self._rank_totals(metrics))
         state = self.prepare(batch, mbs)
         if "adv" in state:
             metrics["advantage/mean"] = float(np.mean(state["adv"]))
@@ -254,13 +324,14 @@ class Trainer:
         for epoch in range(self.config.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             sums = self.accumulate(batch, mbs, epoch=epoch, state=state)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
-            if not math.isfinite(float(grad_norm)):
-                raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)}; lower learning_rate")
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+            grad_norm = float(norm) if self.dist is None else _full_norm(norm)
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm}; lower learning_rate")
             self.optimizer.step()
             if epoch == 0:
                 first = dict(sums)
-                first["grad_norm"] = float(grad_norm)
+                first["grad_norm"] = grad_norm
         self.optimizer.zero_grad(set_to_none=True)
         n_diff = first.pop("_diff_n", 0.0)
         diff_sum = first.pop("_diff_sum", 0.0)
@@ -277,3 +348,9 @@ class Trainer:
         metrics["throughput/flattened_tokens_per_s"] = batch.flattened_tokens / elapsed
         metrics["throughput/forward_tokens_per_s"] = metrics["tokens/forward"] / elapsed
         return metrics
+
+
+def _full_norm(norm: torch.Tensor) -> float:
+    from clawpipe.train.distributed import full_norm
+
+    return full_norm(norm)
