@@ -12,7 +12,9 @@ connections up first and waits, so warm-up CPU is in neither the numerator nor t
 is pinned to core 1, upstream + load generator to core 0. Small call: 0.5 KB request / 7 KB response;
 large: 64 KB / 150 KB. Request-body rows: the proxy's CPU per MB of request body for bodies of 1 KB to
 24 MB, sent with Content-Length and chunked (64 KB chunks). The machine's load average is printed next to
-the figures (they mean little on a busy machine). Prints human lines, then one JSON line.
+the figures (they mean little on a busy machine). The proxy defers parsing to landing, so the end-to-end
+figure is proxy + landing CPU per call (landing measured on bench/data.py calls of the same kind, in a
+child), against the peer's CPU per call. Prints human lines, then one JSON line.
 """
 
 from __future__ import annotations
@@ -330,6 +332,26 @@ def rss_run(pid: int, path: str, port: int, total: int, core0: int | None) -> di
     }
 
 
+def landing_cpu_ms(kind: str, n: int, tmp: Path) -> float:
+    """Landing's CPU per call (one core, in a child) on ``n`` production-shaped calls of ``kind`` from
+    bench/data.py: the parse the proxy defers, paid once per call at landing."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import data
+
+    caps, lake = tmp / f"land-{kind}", tmp / f"lake-{kind}"
+    data.write_segments(caps, n, data.shape(kind), per_segment=500)
+    out = subprocess.run(
+        [PY, str(ROOT / "bench" / "lake_throughput.py"), "--child-land", str(caps), str(lake)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    shutil.rmtree(caps, ignore_errors=True)
+    shutil.rmtree(lake, ignore_errors=True)
+    return r["cpu_s"] * 1000 / max(1, r["calls"])
+
+
 def ratio(peer: dict[str, Any] | None, ours: dict[str, Any], case: str) -> float | None:
     if not peer or not peer.get(case) or not ours[case]["cpu_ms_per_call"]:
         return None
@@ -396,6 +418,8 @@ def main() -> None:
                 report["peer_error"] = str(exc)
                 print(f"peer unavailable: {exc}", flush=True)
         report["peer"] = peer
+        land_ms = {kind: landing_cpu_ms(kind, n, tmp) for kind, n in (("small", 3000), ("large", 200))}
+        report["landing_cpu_ms_per_call"] = {k: round(v, 4) for k, v in land_ms.items()}
     finally:
         for pid in reversed(procs):
             kill_tree(pid)
@@ -405,6 +429,17 @@ def main() -> None:
     report["ratio_cpu_peer_over_clawpipe"] = ratios
     added = {c: round(ours[c]["median_ms"] - alone[c]["median_ms"], 3) for c in ("small_1", "large_1")}
     report["added_median_latency_ms"] = added
+    # end to end: the proxy defers parsing to landing, so its capture costs proxy + landing CPU per call;
+    # the peer parses in line (and keeps calls in memory), so its figure stands alone
+    both = {c: round(ours[c]["cpu_ms_per_call"] + land_ms[c.split("_")[0]], 4) for c in ours}
+    report["proxy_plus_landing_cpu_ms_per_call"] = both
+    report["ratio_cpu_peer_over_proxy_plus_landing"] = {
+        c: (round(peer[c]["cpu_ms_per_call"] / both[c], 2) if peer and peer.get(c) else None) for c in ours
+    }
+    print(
+        f"proxy + landing cpu ms/call {both}; peer/(proxy + landing) "
+        f"{report['ratio_cpu_peer_over_proxy_plus_landing']}" + ("" if peer else " (peer unavailable: ours alone)")
+    )
     small = [r for r in (ratios["small_1"], ratios["small_32"]) if r is not None]
     large = [r for r in (ratios["large_1"], ratios["large_32"]) if r is not None]
     report["targets"] = {
