@@ -44,7 +44,7 @@ def take_step(request: dict[str, Any]) -> dict[str, Any]:
 
     settings = prepare_environment()
     cfg = load_config(Path(request["config"]))
-    if cfg.nproc * cfg.nnodes > 1:
+    if getattr(cfg, "nproc", 1) * getattr(cfg, "nnodes", 1) > 1:  # several ranks: the elastic launcher
         return _take_distributed_step(request, cfg)
     mlflow_run_id = request.get("mlflow_run_id")
     tracker = make_tracker(bool(mlflow_run_id))
