@@ -6,10 +6,10 @@ logprobs, texts and tool calls; small: ~200 prompt + 64 sampled tokens, large: ~
 Landing is single-threaded and runs in a child process; its rate on one core is calls / CPU seconds of
 that process (the figure that holds on a shared machine; the wall-clock rate is printed beside it), its
 peak RSS the child's own high-water mark. The growing-partition run lands 10 batches of ``--growing``
-calls, one landing run each, into one partition and reports each run's CPU per call (flat when no run
-pays for what is already landed). Saved queries run over a lake of ``--query-calls`` small calls (landed
-in rounds of ``--round``, to bound disk use). Prints human lines and the machine load, then one JSON line
-with the figures and their ratios to the targets.
+calls into one partition, each followed by a landing run of 1,000 new calls whose CPU per call is
+reported (flat when no run pays for what is already landed). Saved queries run over a lake of
+``--query-calls`` small calls (landed in rounds of ``--round``, to bound disk use). Prints human lines
+and the machine load, then one JSON line with the figures and their ratios to the targets.
 """
 
 from __future__ import annotations
@@ -92,25 +92,36 @@ def growing_child(lake: str, *caps: str) -> None:
     print(json.dumps({"runs": out, "peak_rss_mb": rss}))
 
 
-def growing(work: Path, per_batch: int) -> dict[str, object]:
-    """Land 10 batches into one growing partition; CPU us per call of each landing run."""
-    caps = [work / f"cap-grow-{b}" for b in range(10)]
-    for b, c in enumerate(caps):
-        data.write_segments(c, per_batch, data.shape("small"), per_segment=2000, seed=1000 + b)
+def growing(work: Path, per_batch: int, probe: int = 1000) -> dict[str, object]:
+    """Grow one partition by 10 batches of ``per_batch`` calls, landing a ``probe`` of new calls after each
+    (one landing run each); the probes' CPU per call shows any per-run cost that grows with the partition."""
+    caps = []
+    for b in range(10):
+        caps.append(work / f"cap-grow-{b}")
+        data.write_segments(caps[-1], per_batch, data.shape("small"), per_segment=2000, seed=1000 + b)
+        caps.append(work / f"cap-probe-{b}")
+        data.write_segments(caps[-1], probe, data.shape("small"), per_segment=probe, seed=2000 + b)
     os.sync()
     lake = work / "lake-grow"
     cmd = [sys.executable, __file__, "--child-growing", str(lake), *map(str, caps)]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
     us = [r["cpu_s"] / max(1, r["calls"]) * 1e6 for r in out["runs"]]
+    bulk, probes = us[0::2], us[1::2]
     for c in caps:
         shutil.rmtree(c)
     shutil.rmtree(lake)
-    first, last = statistics.median(us[:3]), statistics.median(us[-3:])
+    first, last = statistics.median(probes[:3]), statistics.median(probes[-3:])
     print(
-        f"growing partition: 10 runs x {per_batch} calls, us/call per run "
-        f"{' '.join(f'{u:.0f}' for u in us)}; last 3 / first 3 (medians) = {last / first:.2f} [load {load()}]"
+        f"growing partition: 10 x {per_batch} calls, each followed by a landing run of {probe} new calls; "
+        f"us/call of those runs {' '.join(f'{u:.0f}' for u in probes)} (partition "
+        f"{per_batch + probe:,} -> {10 * (per_batch + probe):,} calls); last 3 / first 3 (medians) = "
+        f"{last / first:.2f}; bulk runs us/call {' '.join(f'{u:.0f}' for u in bulk)} [load {load()}]"
     )
-    return {"growing_us_per_call": [round(u, 1) for u in us], "growing_last_vs_first": round(last / first, 2)}
+    return {
+        "growing_probe_us_per_call": [round(u, 1) for u in probes],
+        "growing_bulk_us_per_call": [round(u, 1) for u in bulk],
+        "growing_last_vs_first": round(last / first, 2),
+    }
 
 
 def query_child(lake: str) -> None:
@@ -135,7 +146,7 @@ def main() -> None:
     ap.add_argument("--large", type=int, default=3_000, help="large calls for the landing rate")
     ap.add_argument("--query-calls", type=int, default=1_000_000, help="calls in the lake the saved queries read")
     ap.add_argument("--round", type=int, default=200_000, help="calls generated and landed per round")
-    ap.add_argument("--growing", type=int, default=10_000, help="small calls per batch of the growing partition")
+    ap.add_argument("--growing", type=int, default=20_000, help="small calls per batch of the growing partition")
     ap.add_argument("--landing-only", action="store_true", help="skip the saved-query lake")
     ap.add_argument("--child-land", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--child-query", help=argparse.SUPPRESS)
