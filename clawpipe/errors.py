@@ -41,3 +41,7 @@ class TrainingError(ClawpipeError):
 
 class ServingError(ClawpipeError):
     """The serving engine could not load a model or serve a request."""
+
+
+class RequestShapeError(ClawpipeError, ValueError):
+    """A request body does not have the shape its API promises; the message names the field to fix."""

@@ -22,6 +22,9 @@ import msgspec
 import numpy as np
 import orjson
 
+from clawpipe.apis.sse import read_events
+from clawpipe.apis.streams import reassemble
+
 _MESSAGES_STOP = {
     "end_turn": "stop",
     "stop_sequence": "stop",
@@ -141,24 +144,9 @@ def _usage_anthropic(parsed: ParsedCall, usage: Any) -> None:
             parsed.completion_tokens = usage.get("output_tokens")
 
 
-def iter_sse(body: bytes) -> list[bytes]:
-    """The ``data:`` payloads of an SSE body (multi-line data joined by newlines), in order."""
-    out: list[bytes] = []
-    pending: list[bytes] = []
-    for line in body.split(b"\n"):
-        if line.startswith(b"data:"):
-            pending.append(line[5:].strip())
-        elif not line.strip() and pending:
-            out.append(pending[0] if len(pending) == 1 else b"\n".join(pending))
-            pending = []
-    if pending:
-        out.append(pending[0] if len(pending) == 1 else b"\n".join(pending))
-    return out
-
-
 def _sse_events(body: bytes) -> list[dict[str, Any]]:
     """Decoded SSE events; a torn last event (stream cut mid-write) is dropped, a bad middle one raises."""
-    datas = iter_sse(body)
+    datas = [ev.data.strip() for ev in read_events(body)]
     events = []
     last = len(datas) - 1
     for i, data in enumerate(datas):
@@ -202,109 +190,6 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
     _read_top_fields(obj, parsed)
     _usage_openai(parsed, obj.get("usage"))
     parsed.choices = [_openai_choice(c, api) for c in obj.get("choices") or ()]
-
-
-# the top-level fields of a chat/completions stream's chunks, each taken from the first chunk that has it
-_STREAM_TOP_KEYS = (
-    "id",
-    "created",
-    "model",
-    "prompt_token_ids",
-    "spliced_tokens",
-    "policy_version",
-    "system_fingerprint",
-)
-
-
-def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str, Any]:
-    """The non-streamed response equivalent to chat.completion.chunk / completions chunks."""
-    out: dict[str, Any] = {"object": "chat.completion" if api == "chat" else "text_completion"}
-    states: dict[int, dict[str, Any]] = {}
-    for ev in events:
-        if "error" in ev and not ev.get("choices"):
-            out["error"] = ev["error"]
-            continue
-        for key in _STREAM_TOP_KEYS:
-            if ev.get(key) is not None and key not in out:  # vLLM sends "prompt_token_ids": null after the first
-                out[key] = ev[key]
-        if ev.get("usage"):
-            out["usage"] = ev["usage"]
-        for c in ev.get("choices") or ():
-            idx = c.get("index", 0)
-            st = states.get(idx)
-            if st is None:
-                st = states[idx] = {
-                    "text": [],
-                    "role": None,
-                    "tools": {},
-                    "ids": None,
-                    "lp": None,
-                    "fr": None,
-                    "prompt": None,
-                }
-            if c.get("prompt_token_ids") is not None and st["prompt"] is None:
-                st["prompt"] = c["prompt_token_ids"]
-            if api == "chat":
-                delta = c.get("delta") or {}
-                if delta.get("role"):
-                    st["role"] = delta["role"]
-                if delta.get("content"):
-                    st["text"].append(delta["content"])
-                for tc in delta.get("tool_calls") or ():
-                    t = st["tools"].setdefault(tc.get("index", 0), {"id": None, "type": "function", "n": [], "a": []})
-                    if tc.get("id"):
-                        t["id"] = tc["id"]
-                    fn = tc.get("function") or {}
-                    if fn.get("name"):
-                        t["n"].append(fn["name"])
-                    if fn.get("arguments"):
-                        t["a"].append(fn["arguments"])
-            elif c.get("text"):
-                st["text"].append(c["text"])
-            if c.get("token_ids") is not None:
-                if st["ids"] is None:
-                    st["ids"] = []
-                st["ids"].extend(c["token_ids"])
-            lp = c.get("logprobs")
-            if lp:
-                cur = st["lp"]
-                if cur is None:
-                    cur = st["lp"] = {"content": []} if "content" in lp else {"token_logprobs": [], "tokens": []}
-                if "content" in lp and "content" in cur:
-                    cur["content"].extend(lp["content"] or ())
-                elif "token_logprobs" in cur:
-                    cur["token_logprobs"].extend(lp.get("token_logprobs") or ())
-                    cur["tokens"].extend(lp.get("tokens") or ())
-            if c.get("finish_reason") is not None:
-                st["fr"] = c["finish_reason"]
-    choices = []
-    for idx in sorted(states):
-        st = states[idx]
-        choice: dict[str, Any] = {"index": idx}
-        if api == "chat":
-            msg: dict[str, Any] = {"role": st["role"] or "assistant", "content": "".join(st["text"]) or None}
-            if st["tools"]:
-                msg["tool_calls"] = [
-                    {
-                        "id": t["id"],
-                        "type": t["type"],
-                        "function": {"name": "".join(t["n"]), "arguments": "".join(t["a"])},
-                    }
-                    for _, t in sorted(st["tools"].items())
-                ]
-            choice["message"] = msg
-        else:
-            choice["text"] = "".join(st["text"])
-        choice["finish_reason"] = st["fr"]
-        if st["prompt"] is not None:
-            choice["prompt_token_ids"] = st["prompt"]
-        if st["ids"] is not None:
-            choice["token_ids"] = st["ids"]
-        if st["lp"] is not None:
-            choice["logprobs"] = st["lp"]
-        choices.append(choice)
-    out["choices"] = choices
-    return out
 
 
 # Typed fast path for plain chat/completions bodies (the bulk of every lake): msgspec decodes only the
@@ -430,58 +315,6 @@ def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
     parsed.choices = [_only_choice(obj, finish, tools)]
 
 
-def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": "message", "role": "assistant", "content": []}
-    blocks: dict[int, dict[str, Any]] = {}
-    parts: dict[int, list[str]] = {}
-    for ev in events:
-        t = ev.get("type")
-        if t == "message_start":
-            start = dict(ev.get("message") or {})
-            start.pop("content", None)
-            msg.update(start)
-        elif t == "content_block_start":
-            idx = ev.get("index", len(blocks))
-            blocks[idx] = dict(ev.get("content_block") or {})
-            parts[idx] = []
-        elif t == "content_block_delta":
-            idx = ev.get("index", 0)
-            d = ev.get("delta") or {}
-            block = blocks.setdefault(idx, {"type": "text", "text": ""})
-            dt = d.get("type")
-            if dt == "text_delta":
-                block["text"] = block.get("text", "") + d.get("text", "")
-            elif dt == "input_json_delta":
-                parts.setdefault(idx, []).append(d.get("partial_json", ""))
-            elif dt == "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + d.get("thinking", "")
-            elif dt == "signature_delta":
-                block["signature"] = d.get("signature")
-        elif t == "message_delta":
-            d = ev.get("delta") or {}
-            for key in ("stop_reason", "stop_sequence"):
-                if key in d:
-                    msg[key] = d[key]
-            if ev.get("usage"):
-                msg["usage"] = {**(msg.get("usage") or {}), **ev["usage"]}
-            for key in ("token_ids", "logprobs", "policy_version"):
-                if key in ev:
-                    msg[key] = ev[key]
-        elif t == "error":
-            msg["type"] = "error"
-            msg["error"] = ev.get("error")
-    for idx in sorted(blocks):
-        block = blocks[idx]
-        if block.get("type") == "tool_use" and parts.get(idx):
-            text = "".join(parts[idx])
-            try:
-                block["input"] = orjson.loads(text) if text else {}
-            except orjson.JSONDecodeError:
-                block["input"] = {"_unparsed": text}
-        msg["content"].append(block)
-    return msg
-
-
 # --------------------------------------------------------------------------------------------------
 # OpenAI responses
 
@@ -514,34 +347,6 @@ def parse_responses(obj: dict[str, Any], parsed: ParsedCall) -> None:
     else:
         finish = status
     parsed.choices = [_only_choice(obj, finish, tools)]
-
-
-def reassemble_responses_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
-    final: dict[str, Any] | None = None
-    created: dict[str, Any] = {}
-    items: dict[int, Any] = {}
-    error = None
-    for ev in events:
-        t = ev.get("type", "")
-        if t in ("response.completed", "response.incomplete", "response.failed"):
-            final = ev.get("response") or {}
-        elif t in ("response.created", "response.in_progress"):
-            created.update(ev.get("response") or {})
-        elif t == "response.output_item.done":
-            items[ev.get("output_index", len(items))] = ev.get("item")
-        elif t == "error":
-            error = {k: v for k, v in ev.items() if k != "type"}
-    if final is not None:
-        if "policy_version" not in final and "policy_version" in created:
-            final = {**final, "policy_version": created["policy_version"]}
-        return final
-    # cut short: what arrived, marked incomplete
-    out = {**created, "output": [items[i] for i in sorted(items)], "status": "incomplete"}
-    out["incomplete_details"] = {"reason": "stream ended early"}
-    if error is not None:
-        out["status"] = "failed"
-        out["error"] = error
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -622,14 +427,10 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
                 parsed.error = body[:2000].decode("utf-8", "replace")
                 return parsed
             raise ParseError("stream has no decodable SSE events")
-        if api in ("chat", "completions"):
-            obj = reassemble_openai_stream(events, api)
-        elif api == "messages":
-            obj = reassemble_messages_stream(events)
-        elif api == "responses":
-            obj = reassemble_responses_stream(events)
-        else:
-            raise ParseError(f"streamed {api!r} calls are not a known shape")
+        try:
+            obj = reassemble(api, events)
+        except ValueError as exc:
+            raise ParseError(str(exc)) from exc
         parsed.response = orjson.dumps(obj)
         parsed.stream_error = _ends_in_error(api, events[-1])
     else:

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from clawpipe.apis import read_events, reassemble, request_messages, text_of
 from clawpipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Retokenizer:
             prompt = req.get("prompt", "")
             prompt_ids = self.encode(prompt if isinstance(prompt, str) else "".join(map(str, prompt)))
             return {"prompt_token_ids": prompt_ids, "choices": [{"token_ids": self.encode(t)} for t, _ in choices]}
-        messages, tools = _chat_messages(api, req)
+        messages, tools = request_messages(api, req)
         prompt_ids = self.encode(self.render(messages, tools, generation_prompt=True))
         out = []
         for text, tool_calls in choices:
@@ -90,144 +91,52 @@ def _token_text(tok: Any) -> str | None:
     return tok
 
 
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for block in content:
-            if isinstance(block, dict):
-                if "text" in block:
-                    parts.append(str(block["text"]))
-                elif block.get("type") == "tool_result":
-                    parts.append(_text_of(block.get("content")))
-                elif "output" in block:
-                    parts.append(_text_of(block["output"]))
-            elif isinstance(block, str):
-                parts.append(block)
-        return "".join(parts)
-    return "" if content is None else str(content)
-
-
-def _chat_messages(api: str, req: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any] | None]:
-    """The request's conversation as chat-template messages."""
-    tools = req.get("tools")
-    if api == "chat":
-        msgs = [dict(m, content=_text_of(m.get("content"))) for m in req.get("messages", [])]
-        return msgs, tools
-    msgs = []
-    if api == "messages":
-        system = req.get("system")
-        if system:
-            msgs.append({"role": "system", "content": _text_of(system)})
-        for m in req.get("messages", []):
-            msgs.append({"role": m.get("role", "user"), "content": _text_of(m.get("content"))})
-        return msgs, tools
-    # responses
-    if req.get("instructions"):
-        msgs.append({"role": "system", "content": str(req["instructions"])})
-    items = req.get("input", "")
-    if isinstance(items, str):
-        msgs.append({"role": "user", "content": items})
-    else:
-        for item in items:
-            if item.get("type") in (None, "message"):
-                msgs.append({"role": item.get("role", "user"), "content": _text_of(item.get("content"))})
-            elif item.get("type") == "function_call_output":
-                msgs.append({"role": "tool", "content": _text_of(item.get("output"))})
-            elif item.get("type") == "function_call":
-                msgs.append({"role": "assistant", "content": f"<tool_call>{item.get('arguments', '')}</tool_call>"})
-    return msgs, tools
-
-
-def _sse_events(raw: bytes) -> list[dict[str, Any]]:
-    events = []
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            if payload and payload != b"[DONE]":
-                try:
-                    events.append(json.loads(payload))
-                except ValueError:
-                    continue
-    return events
-
-
 def _completions(api: str, response: bytes, stream: bool) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Per choice: (text, tool calls as {"name", "arguments"})."""
-    if not stream:
-        obj = json.loads(response)
-        if api == "chat":
-            out = []
-            for c in obj.get("choices", []):
-                msg = c.get("message") or {}
-                calls = [
-                    {"name": t["function"]["name"], "arguments": _json_or_str(t["function"].get("arguments"))}
-                    for t in msg.get("tool_calls") or []
-                ]
-                out.append((msg.get("content") or "", calls))
-            return out
-        if api == "completions":
-            return [(c.get("text", ""), []) for c in obj.get("choices", [])]
-        if api == "messages":
-            text = "".join(b.get("text", "") for b in obj.get("content", []) if b.get("type") == "text")
+    """Per choice: (text, tool calls as {"name", "arguments"}); a stream is read as the body it reassembles to."""
+    obj = reassemble(api, _stream_events(response)) if stream else json.loads(response)
+    if api == "chat":
+        out = []
+        for c in obj.get("choices", []):
+            msg = c.get("message") or {}
             calls = [
-                {"name": b["name"], "arguments": b.get("input", {})}
-                for b in obj.get("content", [])
-                if b.get("type") == "tool_use"
+                {"name": t["function"]["name"], "arguments": _json_or_str(t["function"].get("arguments"))}
+                for t in msg.get("tool_calls") or []
             ]
-            return [(text, calls)]
-        return [_responses_output(obj)]
-    events = _sse_events(response)
-    if api in ("chat", "completions"):
-        texts: dict[int, str] = {}
-        slots: dict[int, dict[int, dict[str, str]]] = {}
-        for ev in events:
-            for c in ev.get("choices") or []:
-                i = c.get("index", 0)
-                if api == "completions":
-                    texts[i] = texts.get(i, "") + (c.get("text") or "")
-                    continue
-                delta = c.get("delta") or {}
-                texts[i] = texts.get(i, "") + (delta.get("content") or "")
-                for t in delta.get("tool_calls") or []:
-                    slot = slots.setdefault(i, {}).setdefault(t.get("index", 0), {"name": "", "arguments": ""})
-                    fn = t.get("function") or {}
-                    slot["name"] += fn.get("name") or ""
-                    slot["arguments"] += fn.get("arguments") or ""
-        return [
-            (
-                texts.get(i, ""),
-                [
-                    {"name": s["name"], "arguments": _json_or_str(s["arguments"])}
-                    for _, s in sorted(slots.get(i, {}).items())
-                ],
-            )
-            for i in sorted(set(texts) | set(slots))
-        ]
+            out.append((msg.get("content") or "", calls))
+        return out
+    if api == "completions":
+        return [(c.get("text", ""), []) for c in obj.get("choices", [])]
     if api == "messages":
-        text, blocks = "", {}
-        for ev in events:
-            if ev.get("type") == "content_block_start" and ev["content_block"].get("type") == "tool_use":
-                blocks[ev["index"]] = {"name": ev["content_block"]["name"], "arguments": ""}
-            elif ev.get("type") == "content_block_delta":
-                d = ev.get("delta", {})
-                if d.get("type") == "text_delta":
-                    text += d.get("text", "")
-                elif d.get("type") == "input_json_delta" and ev["index"] in blocks:
-                    blocks[ev["index"]]["arguments"] += d.get("partial_json", "")
-        return [(text, [{"name": b["name"], "arguments": _json_or_str(b["arguments"])} for b in blocks.values()])]
-    for ev in events:
-        if ev.get("type") == "response.completed":
-            return [_responses_output(ev.get("response", {}))]
-    return [("", [])]
+        text = "".join(b.get("text", "") for b in obj.get("content", []) if b.get("type") == "text")
+        calls = [
+            {"name": b["name"], "arguments": b.get("input", {})}
+            for b in obj.get("content", [])
+            if b.get("type") == "tool_use"
+        ]
+        return [(text, calls)]
+    return [_responses_output(obj)]
+
+
+def _stream_events(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON events of a captured stream; ``[DONE]`` and undecodable payloads (a torn tail) left out."""
+    events = []
+    for ev in read_events(raw):
+        if ev.data.strip() == b"[DONE]":
+            continue
+        try:
+            obj = json.loads(ev.data)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            events.append(obj)
+    return events
 
 
 def _responses_output(obj: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     text, calls = "", []
     for item in obj.get("output", []):
         if item.get("type") == "message":
-            text += _text_of(item.get("content"))
+            text += text_of(item.get("content"))
         elif item.get("type") == "function_call":
             calls.append({"name": item.get("name"), "arguments": _json_or_str(item.get("arguments"))})
     return text, calls

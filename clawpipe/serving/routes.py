@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fnmatch
 import hmac
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from clawpipe.apis.sse import sse_frame
 from clawpipe.errors import ServingError
 from clawpipe.serving import convert
 from clawpipe.serving.engine import Engine
@@ -143,9 +143,7 @@ class Choice:
         return content, calls
 
 
-def sse(data: Any, event: str | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+sse = sse_frame  # the route modules frame their stream events with the one SSE writer of clawpipe.apis
 
 
 ANTHROPIC_KINDS = {
