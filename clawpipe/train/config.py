@@ -146,6 +146,19 @@ class TrainConfig(BaseModel):
         "Measured by bench/long_paths.py (small policy, one 16k-token path on CPU): peak memory 544 MB instead "
         "of 1,551 MB (-65%) for 50% more CPU time.",
     )
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA (Hu et al. 2021, arXiv:2106.09685) via peft: rank of the adapters trained instead of "
+        "the whole policy (0 = full training). Gradients and AdamW state then exist for the adapters only; the "
+        "checkpoint holds the merged model (what the engine reloads) and adapter/ (for vLLM's LoRA loading).",
+    )
+    lora_alpha: int = Field(16, gt=0, description="LoRA scaling numerator (the update is alpha / rank x BA).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Linear layers that get adapters (names inside each decoder layer).",
+    )
     skip_statuses: list[str] = Field(
         default_factory=lambda: ["infra_error"],
         description="Rollout statuses left out of training (their sequences dropped and counted).",
@@ -195,6 +208,8 @@ class TrainConfig(BaseModel):
             raise ValueError("algorithm = 'ppo' computes GAE advantages; leave advantage = 'outcome'")
         if self.leave_one_out and self.advantage != "outcome":
             raise ValueError("leave_one_out applies to advantage = 'outcome'; set it false for tree advantages")
+        if self.lora_rank and self.nproc * self.nnodes > 1:
+            raise ValueError("lora_rank > 0 trains on one process: set nproc = 1 (or lora_rank = 0 to shard)")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("nnodes > 1 needs rdzv_endpoint = 'HOST:PORT' (reachable from every node)")
         bad = {k: v for k, v in self.harness_weights.items() if v < 0}

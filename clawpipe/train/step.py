@@ -51,6 +51,12 @@ def train_step(
     ctx = distributed.init_from_env(config.device)
     main = ctx is None or ctx.is_main
     loaded = load_policy(policy_dir)
+    model, peft_model, lora_base = loaded.model, None, None
+    if config.lora_rank:
+        from clawpipe.train import lora
+
+        peft_model, lora_base = lora.prepare(loaded, config)
+        model = peft_model.get_base_model()  # the same modules, adapters injected; only they take gradients
     reference = load_policy(config.reference_policy).model if config.kl_coef > 0 and config.reference_policy else None
     value_head = None
     if config.algorithm == "ppo":
@@ -63,7 +69,7 @@ def train_step(
             torch.nn.init.zeros_(value_head.weight)
             torch.nn.init.zeros_(value_head.bias)
     trainer = Trainer(
-        loaded.model,
+        model,
         config,
         policy_version=loaded.policy_version,
         value_head=value_head,
@@ -89,7 +95,9 @@ def train_step(
         "iteration": int(iteration),
         "config": config.model_dump(mode="json"),
     }
-    if ctx is None:
+    if peft_model is not None and lora_base is not None:
+        path = _save_lora(trainer, peft_model, lora_base, out_dir, new_version, loaded, meta)
+    elif ctx is None:
         path = save_checkpoint(
             out_dir,
             policy_version=new_version,
@@ -166,3 +174,23 @@ def _save_distributed(
         )
     distributed.barrier()
     return path
+
+
+def _save_lora(
+    trainer: Trainer, peft_model: Any, base: Path, out_dir: Any, version: int, loaded: Any, meta: dict
+) -> Path:
+    """The merged model as the HF folder (what the engine reloads), the adapters in adapter/, the base named."""
+    from clawpipe.train import lora
+
+    staged = staging_dir(out_dir, version)
+    lora.save_adapter(peft_model, staged)
+    return save_checkpoint(
+        out_dir,
+        policy_version=version,
+        model=lora.merged_copy(peft_model),
+        tokenizer=loaded.tokenizer,
+        optimizer=trainer.optimizer,
+        value_head=trainer.value_head,
+        meta={**meta, "lora_base": str(Path(base).resolve())},
+        staged=staged,
+    )
