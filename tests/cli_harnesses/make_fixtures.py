@@ -20,20 +20,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.cli_harnesses.scripted_upstream import RecordedRequest, ScriptedUpstream
 from tests.cli_harnesses.support import REPO, VARIANTS, harness_env, run_launcher, write_task
+from tests.support.upstream import ScriptedUpstream, SeenRequest, shell_then_reply
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 KEY = "cp1.testkey"
 
 
-def redact(rec: RecordedRequest, *, port: int, workdir: Path) -> dict[str, Any]:
+def redact(rec: SeenRequest, *, port: int, workdir: Path) -> dict[str, Any]:
     """A JSON-able fixture of one request with secrets and run-specific values replaced."""
     headers = dict(rec.headers)
     for name in ("authorization", "x-api-key"):
         if name in headers:
             headers[name] = headers[name].replace(KEY, "<key>")
-    data = {"method": rec.method, "path": rec.path, "query": rec.query, "headers": headers, "body": rec.body}
+    data = {"method": rec.method, "path": rec.path, "query": rec.params, "headers": headers, "body": rec.json()}
     text = json.dumps(data, indent=1, ensure_ascii=False)
     text = text.replace(str(workdir.resolve()), "<workdir>").replace(str(workdir), "<workdir>")
     text = text.replace(str(REPO), "<repo>")  # OpenClaw names its docs and skills under .node
@@ -42,9 +42,12 @@ def redact(rec: RecordedRequest, *, port: int, workdir: Path) -> dict[str, Any]:
     return json.loads(text)
 
 
-def record(variant: str, mode: str) -> tuple[list[RecordedRequest], int, Path]:
+def record(variant: str, mode: str) -> tuple[list[SeenRequest], int, Path]:
     harness, _, extra = VARIANTS[variant]
-    with tempfile.TemporaryDirectory(prefix="cp-fixture-") as tmp, ScriptedUpstream(model="tiny") as up:
+    with (
+        tempfile.TemporaryDirectory(prefix="cp-fixture-") as tmp,
+        ScriptedUpstream(default=shell_then_reply(), model="tiny") as up,
+    ):
         workdir = Path(tmp) / "work"
         workdir.mkdir()
         task = write_task(Path(tmp) / "task.json")
@@ -65,7 +68,7 @@ def main() -> int:
             for n, rec in enumerate(keep, 1):
                 path = FIXTURES / f"{variant}-{mode}-{n}.json"
                 path.write_text(json.dumps(redact(rec, port=port, workdir=workdir), indent=1, ensure_ascii=False))
-                print(f"{path.name}: {rec.raw_len} bytes, {len(rec.body.get('tools') or [])} tools")
+                print(f"{path.name}: {len(rec.body)} bytes, {len(rec.json().get('tools') or [])} tools")
     return 0
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import psutil
 
-from tests.cli_harnesses.scripted_upstream import ScriptedUpstream
 from tests.cli_harnesses.support import REPO, VARIANTS, harness_env, write_task
+from tests.support.upstream import ScriptedUpstream, shell_then_reply
 
 
 def tree_rss(proc: psutil.Process) -> int:
@@ -38,7 +38,10 @@ def tree_rss(proc: psutil.Process) -> int:
 
 def run_once(variant: str, mode: str) -> dict[str, Any]:
     harness, _, extra = VARIANTS[variant]
-    with tempfile.TemporaryDirectory(prefix="cp-measure-") as tmp, ScriptedUpstream(model="tiny") as up:
+    with (
+        tempfile.TemporaryDirectory(prefix="cp-measure-") as tmp,
+        ScriptedUpstream(default=shell_then_reply(), model="tiny") as up,
+    ):
         workdir = Path(tmp) / "work"
         workdir.mkdir()
         task = write_task(Path(tmp) / "task.json")
@@ -72,8 +75,8 @@ def run_once(variant: str, mode: str) -> dict[str, Any]:
             "exit": code,
             "seconds": seconds,
             "calls": len(reqs),
-            "first_request_bytes": reqs[0].raw_len if reqs else 0,
-            "last_request_bytes": reqs[-1].raw_len if reqs else 0,
+            "first_request_bytes": len(reqs[0].body) if reqs else 0,
+            "last_request_bytes": len(reqs[-1].body) if reqs else 0,
             "peak_rss_mb": peak / 2**20,
         }
 

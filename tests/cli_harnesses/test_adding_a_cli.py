@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from clawpipe.capture import read_results
 from clawpipe.cli import app
 from clawpipe.errors import ConfigError, ManifestError
-from tests.cli_harnesses.scripted_upstream import ScriptedUpstream, find_shell_tool
 from tests.cli_harnesses.support import REPO
+from tests.support.upstream import ScriptedUpstream, find_shell_tool, shell_then_reply
 
 TOY = Path(__file__).resolve().parent / "toy_cli" / "cli.js"
 COMMAND = "echo toy > tool_ran.txt; echo marker-$((6*7))"
@@ -137,7 +137,7 @@ def test_a_cli_added_by_the_walkthrough_runs_in_bwrap(
     assert check.exit_code == 0, check.output
     assert f"ro_path {node_dir} (present)" in check.output
 
-    with ScriptedUpstream(model="tiny", command=COMMAND) as up:
+    with ScriptedUpstream(default=shell_then_reply(COMMAND), model="tiny") as up:
         minimal = rollout(harnesses, tmp_path, up.url, "minimal")
         n_minimal = len(up.model_requests())
         full = rollout(harnesses, tmp_path, up.url, "full", "--env", "CLAWPIPE_CLI_MODE=full")
@@ -146,15 +146,15 @@ def test_a_cli_added_by_the_walkthrough_runs_in_bwrap(
     for row in (minimal, full):
         assert (row["status"], row["reward"], row["n_calls"]) == ("succeeded", 1.0, 2), row
     assert n_minimal == 2 and len(reqs) == 4
-    systems = [r.body["messages"][0]["content"] for r in reqs]
+    systems = [r.json()["messages"][0]["content"] for r in reqs]
     assert "(full mode)" not in systems[0] and "(full mode)" in systems[2], "--env chose the mode for that run"
     # The model argument reached the endpoint without its provider; the tool was found by its schema.
-    assert {r.body["model"] for r in reqs} == {"tiny"}
+    assert {r.json()["model"] for r in reqs} == {"tiny"}
     assert [(a["kind"], a.get("name"), a.get("args")) for a in answers[:2]] == [
         ("tool", "do_it", {"script": COMMAND}),
         ("text", None, None),
     ]
-    assert "marker-42" in json.dumps(reqs[1].body["messages"][-1]), "the tool's output went back"
+    assert "marker-42" in json.dumps(reqs[1].json()["messages"][-1]), "the tool's output went back"
 
 
 def test_env_option_rejects_what_it_cannot_set(tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from clawpipe.capture import read_results
 from clawpipe.cli import app
 from clawpipe.errors import ConfigError, ManifestError
-from tests.cli_harnesses.scripted_upstream import ScriptedUpstream
 from tests.cli_harnesses.support import REPO
+from tests.support.upstream import ScriptedUpstream, say
 
 HARNESS_TOML = """
 name = "roman-agent"
@@ -114,7 +114,7 @@ def test_harness_with_its_own_package_installs_and_runs_in_bwrap(
     task = {"task_set": "romanfix", "task_id": "r1", "prompt": "Say something.", "data": {}, "max_turns": 1}
     (tmp_path / "tasks.json").write_text(json.dumps(task))
     results = tmp_path / "results.jsonl"
-    with ScriptedUpstream(model="tiny", use_tools=False, reply="All done.") as up:
+    with ScriptedUpstream(default=say("All done."), model="tiny") as up:
         run = invoke(
             "rollout", "--harness", "roman-agent", *dirs, "--task-file", str(tmp_path / "tasks.json"),
             "--backend", "bwrap", "--proxy", up.url, "--model", "tiny", "--results", str(results),

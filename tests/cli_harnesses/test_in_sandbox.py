@@ -26,8 +26,8 @@ from clawpipe.lake.parse import parse_response
 from clawpipe.proxy import ProxyServer
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness
 from clawpipe.sandbox.runner import RolloutResult, RolloutSpec, run_rollouts
-from tests.cli_harnesses.scripted_upstream import ScriptedUpstream
 from tests.cli_harnesses.support import REPO, VARIANTS, Blackhole, conversation
+from tests.support.upstream import ScriptedUpstream, say, shell_then_reply
 
 SECRET = b"cli-harness-test-secret"
 COMMAND = "echo sandboxed > tool_ran.txt; id -u; echo marker-$((6*7))"
@@ -178,7 +178,7 @@ def check_two_call_rollout(
 
 
 def test_each_cli_in_bwrap_through_the_proxy(tmp_path: Path, proxy_factory: Any, cli_installed: None) -> None:
-    with ScriptedUpstream(model="tiny", command=COMMAND) as up:
+    with ScriptedUpstream(default=shell_then_reply(COMMAND), model="tiny") as up:
         proxy = proxy_factory(up.url)
         results = run_batch(proxy.url, tmp_path)
         proxy.stop()
@@ -205,7 +205,7 @@ def test_openclaw_over_its_three_apis_in_bwrap(tmp_path: Path, proxy_factory: An
     Completions, Responses and Messages at once. The trees: one lineage on Responses (it appends); on the other two its
     follow-up moves the internal-context block after the tool result, a genuine history rewrite: two
     leaves and one `rewrite` branch (not drift: no completion was re-encoded; not a retry or subagent)."""
-    with ScriptedUpstream(model="tiny", command=COMMAND) as up:
+    with ScriptedUpstream(default=shell_then_reply(COMMAND), model="tiny") as up:
         proxy = proxy_factory(up.url)
         results = run_batch(proxy.url, tmp_path, mode="full", timeout_s=240, variants=OPENCLAW, batch="openclaw")
         proxy.stop()
@@ -259,7 +259,7 @@ def test_qwen_memory_side_call_lands_as_its_own_lineage(
     (variant / "cli.toml").write_text(cli.replace("enableManagedAutoMemory = false", "enableManagedAutoMemory = true"))
     base = find_harness("qwen-code", [REPO / "harnesses"])
     manifest = dataclasses.replace(base, dir=variant.resolve(), env={**base.env, "CLAWPIPE_CLI_MODE": "full"})
-    with ScriptedUpstream(model="tiny", use_tools=False) as up:
+    with ScriptedUpstream(default=say("All done."), model="tiny") as up:
         proxy = proxy_factory(up.url)
         [result] = run_rollouts(
             [RolloutSpec(run_id="clirun", iteration=0, harness=manifest, task=task_for("qwen-code"), model="tiny")],

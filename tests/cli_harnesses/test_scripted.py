@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.cli_harnesses.scripted_upstream import ScriptedUpstream, render_conversation, render_tokens
 from tests.cli_harnesses.support import VARIANTS, conversation, harness_env, pids_in, run_launcher, write_task
+from tests.support.upstream import ScriptedUpstream, prompt_ids, say, shell_then_reply, tool_call
 
 KEY = "cp1.testkey"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -140,7 +140,7 @@ def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
     workdir = tmp_path / "work"
     workdir.mkdir()
     task = write_task(tmp_path / "task.json")
-    with ScriptedUpstream(model="tiny", command=COMMAND) as up:
+    with ScriptedUpstream(default=shell_then_reply(COMMAND), model="tiny") as up:
         env = harness_env(up.url, workdir, task, key=KEY, extra={"CLAWPIPE_CLI_MODE": mode, **extra})
         result = run_launcher(harness, env, workdir)
         reqs = up.model_requests()
@@ -150,12 +150,12 @@ def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
     assert (workdir / "tool_ran.txt").read_text() == "scripted\n", "the CLI ran the tool in the work dir"
     assert [a["kind"] for a in answers] == ["tool", "text"], "one tool call, one follow-up, no side calls"
     assert len(reqs) == 2
-    first, second = (r.body for r in reqs)
+    first, second = (r.json() for r in reqs)
     for r in reqs:
         assert r.path == want["path"]
         assert r.headers[want["auth"][0]] == want["auth"][1]
-        assert r.body["model"] == "tiny" and r.body["stream"] is True
-        check_api_specifics(variant, mode, r.body, r.headers, r.query)
+        assert r.json()["model"] == "tiny" and r.json()["stream"] is True
+        check_api_specifics(variant, mode, r.json(), r.headers, r.params)
 
     conv1, conv2 = conversation(api, first), conversation(api, second)
     rewrites = (variant, mode) in MOVES_LAST_MESSAGE
@@ -172,7 +172,7 @@ def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
         assert "marker-42" in appended, "the tool's output is in the follow-up"
     # ...and so do the (scripted) token ids: prompt 2 = prompt 1 + completion 1 + the tool result; after a
     # rewrite they part where the moved block stood.
-    ids2 = render_tokens(render_conversation(api, second))
+    ids2 = prompt_ids(api, second)
     ids1 = answers[0]["prompt_token_ids"] + answers[0]["token_ids"]
     assert (ids2[: len(ids1)] == ids1) is not rewrites and len(ids2) > len(ids1)
 
@@ -192,7 +192,7 @@ def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
 def test_claude_result_json_reports_the_scripted_reply(tmp_path: Path, cli_installed: None) -> None:
     workdir = tmp_path / "work"
     task = write_task(tmp_path / "task.json")
-    with ScriptedUpstream(model="tiny", reply="Finished: the file exists.") as up:
+    with ScriptedUpstream(default=shell_then_reply(reply="Finished: the file exists."), model="tiny") as up:
         result = run_launcher(
             "claude-code", harness_env(up.url, workdir, task, extra={"CLAWPIPE_CLI_MODE": "minimal"}), workdir
         )
@@ -219,15 +219,14 @@ SHARED_TOOL_CALLS = {
         pytest.param("openclaw-responses", marks=pytest.mark.slow),
     ],
 )
-def test_cli_against_the_shared_scripted_upstream(variant: str, tmp_path: Path, cli_installed: None) -> None:
-    """The proxy's test upstream (tests/support/upstream.py: 4-character SSE chunks, ids only on request)."""
-    from tests.support.upstream import ScriptedUpstream as SharedUpstream
-    from tests.support.upstream import say, tool_call
-
+def test_cli_follows_scripted_tool_calls_sent_in_small_chunks(
+    variant: str, tmp_path: Path, cli_installed: None
+) -> None:
+    """Scripted tool calls by name instead of the shell rule, with 4-character SSE chunks and no rollout prefix."""
     harness, api, extra = VARIANTS[variant]
     workdir = tmp_path / "work"
     task = write_task(tmp_path / "task.json")
-    with SharedUpstream([tool_call(*SHARED_TOOL_CALLS[variant]), say("All done.")], model="tiny") as up:
+    with ScriptedUpstream([tool_call(*SHARED_TOOL_CALLS[variant]), say("All done.")], model="tiny") as up:
         env = harness_env(up.url, workdir, task, rollout_prefix=False, extra={"CLAWPIPE_CLI_MODE": "full", **extra})
         result = run_launcher(harness, env, workdir)
         seen = [r for r in up.requests if r.method == "POST"]
