@@ -146,7 +146,7 @@ def test_the_gpu_config_in_real_harnesses_md_loads(tmp_path: Path) -> None:
     p.write_text(block)
     cfg = load_config(p)
     modes = {h.name: h.env.get("CLAWPIPE_CLI_MODE") for h in cfg.harnesses}
-    assert modes == {"claude-code": "full", "codex": "full", "qwen-code": "full", "chat-loop": None}
+    assert modes == {"claude-code": "full", "codex": "full", "qwen-code": "full", "openclaw": "full", "chat-loop": None}
     assert cfg.engine == "vllm"
 
 
