@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clawpipe.apis.sse import read_events
 from clawpipe.errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -154,11 +155,9 @@ def parse_chat_stream(lines: list[str]) -> dict[str, Any]:
     """Reassemble an SSE chat/completions stream (lines of `data: ...`) into what parse_chat_response gives."""
     prompt_ids = None
     acc: dict[int, dict[str, Any]] = {}
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+    for event in read_events("\n".join(lines).encode()):
+        data = event.data.strip()
+        if data == b"[DONE]":
             break
         chunk = json.loads(data)
         if chunk.get("prompt_token_ids") is not None:
