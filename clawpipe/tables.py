@@ -24,12 +24,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from clawpipe import sqlfiles
+from clawpipe import objstore, sqlfiles
 from clawpipe.errors import LakeError
 from clawpipe.schemas import TABLES
 
 PARTITIONED = ("model_calls", "rollouts", "tree_nodes", "tree_stats", "tree_sequences")
 STAGING = "_staging"
+COMPACT_PREFIX = "_manifest/compact-"  # records of compactions under way on object stores
 TMP_SUFFIX = ".inprogress"  # staged files end in this, so the views' ``*.parquet`` globs never match them
 # Columns holding whole documents or token lists: no dictionary, no min/max statistics (both cost more
 # than they give there: writing 150 KB responses with statistics was 3x slower).
@@ -60,15 +61,9 @@ class LakeFS:
             self.is_local = True
             self.url = self.root  # what DuckDB reads
         else:
-            import fsspec
             from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-            try:
-                fsspec_fs, path = fsspec.core.url_to_fs(text)
-            except (ImportError, ValueError) as exc:
-                raise LakeError(
-                    f"cannot open lake {text!r}: {exc}; install the fsspec implementation for {scheme}://"
-                ) from exc
+            fsspec_fs, path = objstore.filesystem(text)
             self.fsspec = fsspec_fs
             self.fs = PyFileSystem(FSSpecHandler(fsspec_fs))
             self.root = path.rstrip("/")
@@ -135,6 +130,28 @@ class LakeFS:
         with self.fs.open_output_stream(self.full(tmp)) as f:
             f.write(data)
         self.move(tmp, rel)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Write a small file only if ``rel`` does not exist; False when it does (nothing written).
+
+        The store decides atomically: a hard link on local disks, ``If-None-Match: *`` on S3. Of two
+        writers creating one name, exactly one gets True.
+        """
+        parent = posixpath.dirname(rel)
+        if parent:
+            self.makedirs(parent)
+        if not self.is_local:
+            return objstore.create_exclusive(self.fsspec, self.full(rel), data)
+        tmp = self.full(f"{rel}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, self.full(rel))
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
 
     def write_parquet(self, rel: str, table: pa.Table) -> None:
         """Write one Parquet file atomically: readers see all of it or nothing."""
@@ -279,8 +296,38 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def table_files(lake: LakeFS) -> dict[str, list[str]]:
-    """The Parquet files of every table now, as DuckDB names them (what its sql/views glob would match)."""
-    return {name: [lake.file_url(f) for f in lake.list_files(name, suffix=".parquet")] for name in TABLES}
+    """The Parquet files of every table now, as DuckDB names them (what its sql/views glob would match).
+
+    On object stores a compaction under way is applied: its old files while any new one is missing,
+    its new files once all are published (never both, never neither).
+    """
+    while True:
+        records, hidden = (frozenset(), set()) if lake.is_local else _compaction_hidden(lake)
+        listed = {name: lake.list_files(name, suffix=".parquet") for name in TABLES}
+        # a compaction recorded while we listed may have published its files meanwhile: list again
+        # (records stay until the next compaction starts, so one that began after `records` is seen here)
+        if lake.is_local or _compaction_hidden(lake)[0] == records:
+            return {name: [lake.file_url(f) for f in files if f not in hidden] for name, files in listed.items()}
+
+
+def _compaction_hidden(lake: LakeFS) -> tuple[frozenset[str], set[str]]:
+    """(compaction records, the files they hide from readers now)."""
+    import orjson
+
+    records = frozenset(
+        r
+        for r in lake.list_files(posixpath.dirname(COMPACT_PREFIX), suffix=".json", recursive=False)
+        if r.startswith(COMPACT_PREFIX)
+    )
+    hidden: set[str] = set()
+    for rec in records:
+        try:
+            entry = orjson.loads(lake.read_bytes(rec))
+        except FileNotFoundError:
+            continue  # cleaned up meanwhile: its old files are gone already
+        new = entry.get("new", [])
+        hidden.update(entry.get("old", []) if all(lake.exists(f) for f in new) else new)
+    return records, hidden
 
 
 def _pinned_view(con: duckdb.DuckDBPyConnection, name: str, files: list[str]) -> None:

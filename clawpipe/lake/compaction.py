@@ -4,22 +4,31 @@ Row groups stream from the old files into new ones staged under ``<lake>/_stagin
 duplicate call (first landed wins); the partition directory is then exchanged with the staged one in
 one atomic rename (local lakes, Linux ``renameat2``), so a reader sees the partition before or after
 compaction, never half of it. Holds the lake's writer lock: landings wait, readers do not.
+
+Object stores have no directory rename. There the merged files are written beside the old ones under a
+name readers do not match, and a compaction record ``_manifest/compact-<id>.json`` (old files, new files)
+is written before any of them is published; then the new files are published and the old ones deleted.
+Readers' file lists (:func:`clawpipe.tables.table_files`) apply the record: old files while any new one
+is missing, new files once all are there, so a reader never sees a row twice or not at all. A compaction
+killed part-way is finished or undone by the next one (:func:`finish_interrupted`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import time
 import uuid
 from dataclasses import dataclass
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clawpipe import schemas
 from clawpipe.lake import manifest
-from clawpipe.tables import STAGING, TMP_SUFFIX, LakeFS, conform
+from clawpipe.tables import COMPACT_PREFIX, STAGING, TMP_SUFFIX, LakeFS, conform
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +57,8 @@ def _partition_dirs(lake: LakeFS, table: str) -> list[str]:
 
 def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows: int, report: CompactionReport) -> None:
     schema = schemas.TABLES[table]
-    staged = f"{STAGING}/{uuid.uuid4().hex}"
+    # object stores: merged files go beside the old ones, unpublished, until the compaction record exists
+    staged = f"{STAGING}/{uuid.uuid4().hex}" if lake.is_local else rel
     seen: set[str] = set()
     writer: pq.ParquetWriter | None = None
     out_rel = ""
@@ -77,7 +87,8 @@ def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows:
             if writer is None or rows_in_file >= max_rows:
                 if writer is not None:
                     writer.close()
-                    lake.move(out_rel + TMP_SUFFIX, out_rel)
+                    if lake.is_local:
+                        lake.move(out_rel + TMP_SUFFIX, out_rel)
                 out_rel = f"{staged}/part-c{uuid.uuid4().hex}.parquet"
                 writer = lake.open_parquet_writer(out_rel, schema)
                 written.append(out_rel)
@@ -87,14 +98,54 @@ def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows:
             report.rows += t.num_rows
     if writer is not None:
         writer.close()
-        lake.move(out_rel + TMP_SUFFIX, out_rel)
-    if not written:
-        lake.makedirs(staged)
-    lake.swap_dir(staged, rel)
-    lake.delete_dir(staged)
+        if lake.is_local:
+            lake.move(out_rel + TMP_SUFFIX, out_rel)
+    if lake.is_local:
+        if not written:
+            lake.makedirs(staged)
+        lake.swap_dir(staged, rel)
+        lake.delete_dir(staged)
+    else:
+        _exchange_remote(lake, files, written)
     report.partitions += 1
     report.files_before += len(files)
     report.files_after += len(written)
+
+
+def _exchange_remote(lake: LakeFS, old: list[str], new: list[str]) -> None:
+    """Replace ``old`` by ``new`` (written unpublished) on an object store, behind a compaction record."""
+    record = f"{COMPACT_PREFIX}{uuid.uuid4().hex}.json"
+    lake.write_bytes(record, orjson.dumps({"old": old, "new": new}))
+    for f in new:
+        lake.move(f + TMP_SUFFIX, f)
+    for f in old:
+        lake.delete(f)
+    # the record stays until the next compaction: a reader that listed while this one ran sees it, lists again
+
+
+def finish_interrupted(lake: LakeFS) -> int:
+    """Finish (all new files published) or undo (otherwise) the recorded compactions and remove their
+    records; returns how many a kill had left part-way."""
+    interrupted = 0
+    prefix_dir = posixpath.dirname(COMPACT_PREFIX)
+    records = [f for f in lake.list_files(prefix_dir, suffix=".json", recursive=False) if f.startswith(COMPACT_PREFIX)]
+    for record in records:
+        entry = orjson.loads(lake.read_bytes(record))
+        new, old = entry.get("new", []), entry.get("old", [])
+        if all(lake.exists(f) for f in new):
+            left = [f for f in old if lake.exists(f)]
+            for f in left:
+                lake.delete(f)
+            interrupted += bool(left)
+        else:
+            for f in new:
+                lake.delete(f)
+                lake.delete(f + TMP_SUFFIX)
+            interrupted += 1
+        lake.delete(record)
+    if interrupted:
+        log.warning("finished or undid %d interrupted compactions", interrupted)
+    return interrupted
 
 
 def compact(
@@ -104,8 +155,10 @@ def compact(
     t0 = time.perf_counter()
     lake = LakeFS(lake_root)
     report = CompactionReport()
-    with manifest.lake_lock(lake):
-        manifest.load(lake)  # rolls back an interrupted landing first: only committed parts are merged
+    with manifest.lake_lock(lake) as lease:
+        manifest.load(lake, lease)  # rolls back an interrupted landing first: only committed parts are merged
+        if not lake.is_local:
+            finish_interrupted(lake)
         for table in COMPACTED:
             for rel in _partition_dirs(lake, table):
                 files = lake.list_files(rel, suffix=".parquet")

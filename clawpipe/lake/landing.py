@@ -1,6 +1,7 @@
 """Landing: capture segments and rollout result files -> ``model_calls``, ``rollouts`` and ``rejects``.
 
-``land(captures_dir, lake_root)`` reads every sealed segment and the complete frames of open ones from
+``land(captures_dir, lake_root)`` (captures: a folder, or a capture prefix on object storage, mirrored
+into a local cache first) reads every sealed segment and the complete frames of open ones from
 where the manifest says the last landing stopped, parses each record (:mod:`clawpipe.lake.parse`) into
 one row per call and choice, and writes hive-partitioned Parquet parts (``.inprogress`` name, then
 rename). Rollout result lines are merged into their partition (latest attempt wins). Work is committed
@@ -31,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from clawpipe import schemas, tables
+from clawpipe import objstore, schemas, tables
 from clawpipe.lake import id_index, manifest, rows, sources
 from clawpipe.lake.parse import parse_response
 from clawpipe.tables import TMP_SUFFIX, LakeFS
@@ -227,6 +228,7 @@ class _Batch:
             self.parts.append(part)
             manifest.write_pending(self.lake, self.id, self.parts)
             self.lake.write_parquet(part, pa.Table.from_pylist(self.rejects, schema=schemas.REJECTS))
+        manifest.check_writer(self.state)  # an object-store lease must still be ours before parts show
         for p in self.partitions.values():
             if p.writer is not None and p.part is not None:
                 p.writer.close()
@@ -239,7 +241,7 @@ class _Batch:
         if os.environ.get(_CRASH_ENV) == str(report.batches):
             os.kill(os.getpid(), 9)
         entry = {"segments": self.segments, "results": self.results, "parts": self.parts}
-        manifest.commit(self.lake, self.id, entry)
+        manifest.commit(self.lake, self.id, entry, self.state)
         self.state.merge(entry)
         self.state.n_entries += 1
         if self.state.n_entries >= manifest.CHECKPOINT_EVERY:
@@ -553,12 +555,11 @@ def _land(
     progress: Callable[[LandingReport], None] | None,
 ) -> LandingReport:
     t0 = time.perf_counter()
-    captures = Path(captures_dir)
+    captures = objstore.local_captures(captures_dir)  # a capture prefix on object storage is mirrored first
     lake = LakeFS(lake_root)
-    with manifest.lake_lock(lake):
-        lander = _Lander(
-            lake, manifest.load(lake), batch_bytes=batch_bytes, row_group_bytes=row_group_bytes, progress=progress
-        )
+    with manifest.lake_lock(lake) as lease:
+        state = manifest.load(lake, lease)
+        lander = _Lander(lake, state, batch_bytes=batch_bytes, row_group_bytes=row_group_bytes, progress=progress)
         for seg in sources.list_segments(captures):
             lander.land_segment(seg)
         for key, path in sources.list_results(captures):

@@ -3,11 +3,19 @@
 It lives in ``<lake>/_manifest/`` as small JSON files, each written atomically:
 
 - ``pending-<batch>.json`` lists the part files a landing batch is writing (rewritten before each new one);
-- ``batch-<ns>-<batch>.json`` commits the batch: the source ranges it landed and its part files;
-- ``checkpoint-<ns>.json`` folds many batch entries into one (idempotent: state merges by maximum).
+- ``batch-<seq>.json`` commits the batch (its id inside): the source ranges it landed and its part files;
+- ``checkpoint-<seq>.json`` folds the batch entries up to ``seq`` into one (idempotent: state merges by maximum).
 
 A batch is committed by its ``batch-*`` file alone. On load, a pending batch without a commit is rolled
 back (its part files deleted), so a landing killed at any point and run again lands every record once.
+
+The commit needs no rename: ``batch-<seq>.json`` is created only if absent (:meth:`LakeFS.create_exclusive`:
+a hard link locally, ``If-None-Match: *`` on S3), with ``seq`` one past the newest entry the writer has
+loaded. Two writers can therefore never both commit on top of one state: the second one's name is taken,
+its batch is rolled back and its landing fails (run it again; it lands what is still missing). Writers
+are serialised by :func:`lake_lock` (``flock`` locally, the lease of :mod:`clawpipe.lake.lease` on
+object stores); a writer that takes over an expired lease first commits a fence (an empty entry), so a
+holder that was only paused finds its next name taken and stops before its batch counts.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import hashlib
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +32,8 @@ from typing import Any
 
 import orjson
 
+from clawpipe.errors import LakeError
+from clawpipe.lake.lease import Lease
 from clawpipe.tables import TMP_SUFFIX, LakeFS
 
 log = logging.getLogger(__name__)
@@ -44,6 +53,8 @@ class ManifestState:
     segments: dict[str, SegmentState] = field(default_factory=dict)
     results: dict[str, int] = field(default_factory=dict)
     n_entries: int = 0
+    seq: int = 0  # newest batch or checkpoint number loaded or committed: the next commit is seq + 1
+    lease: Lease | None = None  # the object-store writer lease held while this state is written
 
     def merge(self, entry: dict[str, Any]) -> None:
         for key, (_start, end, done) in entry.get("segments", {}).items():
@@ -60,27 +71,64 @@ class ManifestState:
         }
 
 
-def load(lake: LakeFS) -> ManifestState:
-    """Read the manifest, rolling back every uncommitted batch first."""
+def _seq(name: str) -> int:
+    """The number in ``batch-<seq>.json`` / ``checkpoint-<seq>.json`` (older lakes: ``batch-<ns>-<id>.json``)."""
+    try:
+        return int(name[:-5].split("-")[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _entry_names(lake: LakeFS) -> list[str]:
     files = lake.list_files(DIR, suffix=".json", recursive=False)
-    names = [f.rsplit("/", 1)[-1] for f in files]
-    committed = {n[:-5].rsplit("-", 1)[1] for n in names if n.startswith("batch-")}
+    return [f.rsplit("/", 1)[-1] for f in files]
+
+
+def fence(lake: LakeFS) -> int:
+    """Commit an empty entry past every existing one; a writer holding an older state cannot commit after."""
+    while True:
+        seq = max((_seq(n) for n in _entry_names(lake) if n.startswith(("batch-", "checkpoint-"))), default=0) + 1
+        if lake.create_exclusive(f"{DIR}/batch-{seq:020d}.json", orjson.dumps({"batch": "fence"})):
+            return seq
+
+
+def load(lake: LakeFS, lease: Lease | None = None) -> ManifestState:
+    """Read the manifest, rolling back every uncommitted batch first."""
+    if lease is not None and lease.took_over:
+        fence(lake)  # before rolling back: the previous holder's batch must not commit after that
+    names = _entry_names(lake)
+    state = ManifestState(lease=lease)
+    committed: set[str] = set()
+    for name in names:
+        if name.startswith(("batch-", "checkpoint-")):
+            entry = orjson.loads(lake.read_bytes(f"{DIR}/{name}"))
+            committed.add(str(entry.get("batch", "")))
+            state.merge(entry)
+            state.n_entries += name.startswith("batch-")
+            state.seq = max(state.seq, _seq(name))
     for name in names:
         if name.startswith("pending-"):
             batch = name[len("pending-") : -5]
             if batch not in committed:
                 rollback(lake, batch)
             lake.delete(f"{DIR}/{name}")
-    state = ManifestState()
-    for name in names:
-        if name.startswith(("batch-", "checkpoint-")):
-            state.merge(orjson.loads(lake.read_bytes(f"{DIR}/{name}")))
-            state.n_entries += name.startswith("batch-")
     return state
 
 
+def check_writer(state: ManifestState) -> None:
+    """Raise unless this writer still holds the lake (before publishing parts or committing)."""
+    if state.lease is not None and not state.lease.valid():
+        raise LakeError(
+            f"lost the writer lease of {state.lease.lake.url} (expired or taken by another writer); "
+            "this landing stops uncommitted; run it again"
+        )
+
+
 def rollback(lake: LakeFS, batch: str) -> None:
-    pending = orjson.loads(lake.read_bytes(f"{DIR}/pending-{batch}.json"))
+    try:
+        pending = orjson.loads(lake.read_bytes(f"{DIR}/pending-{batch}.json"))
+    except FileNotFoundError:
+        return  # a batch that wrote no part (or was rolled back already)
     for part in pending.get("parts", []):
         lake.delete(part)
         lake.delete(part + TMP_SUFFIX)
@@ -91,25 +139,68 @@ def write_pending(lake: LakeFS, batch: str, parts: list[str]) -> None:
     lake.write_bytes(f"{DIR}/pending-{batch}.json", orjson.dumps({"batch": batch, "parts": parts}))
 
 
-def commit(lake: LakeFS, batch: str, entry: dict[str, Any]) -> None:
-    """Commit a batch (the one atomic step), then drop its pending marker."""
-    lake.write_bytes(f"{DIR}/batch-{time.time_ns():020d}-{batch}.json", orjson.dumps({"batch": batch, **entry}))
+def commit(lake: LakeFS, batch: str, entry: dict[str, Any], state: ManifestState | None = None) -> None:
+    """Commit a batch (the one atomic step: create ``batch-<seq>`` if absent), then drop its pending marker.
+
+    Raises :class:`LakeError` (the batch rolled back) when another writer committed since ``state`` was loaded.
+    """
+    if state is None:
+        state = load_seq(lake)
+    check_writer(state)
+    seq = state.seq + 1
+    name = f"{DIR}/batch-{seq:020d}.json"  # the number alone: one commit per number, whoever makes it
+    if not lake.create_exclusive(name, orjson.dumps({"batch": batch, **entry})):
+        rollback(lake, batch)
+        raise LakeError(
+            f"another writer committed entry {seq} of {lake.url} first; this batch was rolled back, "
+            "run the landing again"
+        )
+    if any(n.startswith("checkpoint-") and _seq(n) >= seq for n in _entry_names(lake)):
+        # a writer that fenced us out has already folded and deleted entry `seq`: ours came too late
+        lake.delete(name)
+        rollback(lake, batch)
+        raise LakeError(f"entry {seq} of {lake.url} was already checkpointed by another writer; run again")
+    state.seq = seq
     lake.delete(f"{DIR}/pending-{batch}.json")
+
+
+def load_seq(lake: LakeFS) -> ManifestState:
+    """A state carrying only the newest entry number (for committing without a loaded state)."""
+    names = [n for n in _entry_names(lake) if n.startswith(("batch-", "checkpoint-"))]
+    return ManifestState(seq=max((_seq(n) for n in names), default=0))
 
 
 def checkpoint(lake: LakeFS, state: ManifestState) -> None:
     """Fold batch entries and older checkpoints into one checkpoint file (safe to interrupt)."""
     files = lake.list_files(DIR, suffix=".json", recursive=False)
-    old = [f for f in files if f.rsplit("/", 1)[-1].startswith(("batch-", "checkpoint-"))]
-    lake.write_bytes(f"{DIR}/checkpoint-{time.time_ns():020d}.json", orjson.dumps(state.to_json()))
+    # only entries this state has merged (a newer one would be another writer's, kept for the next load)
+    old = [
+        f
+        for f in files
+        if f.rsplit("/", 1)[-1].startswith(("batch-", "checkpoint-")) and _seq(f.rsplit("/", 1)[-1]) <= state.seq
+    ]
+    check_writer(state)
+    lake.write_bytes(f"{DIR}/checkpoint-{state.seq:020d}.json", orjson.dumps(state.to_json()))
     for f in old:
         lake.delete(f)
     state.n_entries = 0
 
 
 @contextmanager
-def lake_lock(lake: LakeFS) -> Iterator[None]:
-    """One writer (lander or compactor) per lake at a time; readers never wait."""
+def lake_lock(lake: LakeFS) -> Iterator[Lease | None]:
+    """One writer (lander or compactor) per lake at a time; readers never wait.
+
+    Local lakes: ``flock`` (yields None). Object stores: the lake's writer lease, held across hosts
+    (yields it; pass it to :func:`load` so commits check it).
+    """
+    if not lake.is_local and lake.scheme != "memory":
+        lease = Lease(lake)
+        lease.acquire()
+        try:
+            yield lease
+        finally:
+            lease.release()
+        return
     if lake.is_local:
         os.makedirs(lake.full(DIR), exist_ok=True)
         path = lake.full(f"{DIR}/.lock")
@@ -119,7 +210,7 @@ def lake_lock(lake: LakeFS) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield None
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

@@ -11,6 +11,9 @@ or age, and on shutdown). The writer holds an exclusive ``flock`` on its open se
 ``.open`` segment in the directory whose lock is free belongs to a dead writer: its torn tail (an incomplete
 frame after the last intact one) is cut (:func:`clawpipe.capture.recover_segment`) and it is sealed, so a
 crash loses nothing that was committed; damaged frames before that stay for landing to report as rejects.
+
+When ``CLAWPIPE_LAKE_URI`` names an object store, an :class:`~clawpipe.proxy.upload.Uploader` runs beside
+the writer and copies each sealed segment (and the host's result files) to the lake's capture prefix.
 """
 
 from __future__ import annotations
@@ -25,12 +28,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clawpipe import capture
+from clawpipe import capture, objstore
 from clawpipe.errors import CaptureError
+from clawpipe.proxy.upload import Uploader
 
 log = logging.getLogger(__name__)
 
 Done = Callable[[BaseException | None], None]
+UPLOAD_ENV = "CLAWPIPE_CAPTURE_UPLOAD"  # "0": never upload, even with an object-store lake
+
+
+def upload_url_from_env() -> str | None:
+    """The capture prefix to upload to: ``<CLAWPIPE_LAKE_URI>/captures`` when that is an object store."""
+    lake_uri = os.environ.get("CLAWPIPE_LAKE_URI", "").strip()
+    if not lake_uri or not objstore.is_remote(lake_uri) or os.environ.get(UPLOAD_ENV, "1") == "0":
+        return None
+    return objstore.captures_url(lake_uri)
 
 
 def recover_dead_segments(directory: Path) -> list[Path]:
@@ -78,8 +91,12 @@ class SegmentWriter:
         max_bytes: int = 64 << 20,
         max_age_s: float = 300.0,
         fsync: bool = True,
+        upload_url: str | None = None,
     ) -> None:
         self.directory = Path(directory)
+        # sealed segments go to object storage when a URL is given or the environment names a remote lake
+        self.upload_url = upload_url or upload_url_from_env()
+        self.uploader: Uploader | None = None
         self.instance = instance
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
@@ -118,6 +135,9 @@ class SegmentWriter:
         self._open_segment()
         self._thread = threading.Thread(target=self._run, name=f"capture-{self.instance}", daemon=True)
         self._thread.start()
+        if self.upload_url:
+            self.uploader = Uploader(self.directory, self.upload_url)
+            self.uploader.start()  # its first pass uploads what recovery just sealed
 
     def close(self) -> None:
         """Commit what is pending, seal the open segment and stop the thread."""
@@ -127,6 +147,9 @@ class SegmentWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.uploader is not None:
+            self.uploader.close()  # one last pass: the segment sealed just now goes up before exit
+            self.uploader = None
 
     @property
     def current_segment(self) -> str | None:
@@ -164,6 +187,8 @@ class SegmentWriter:
                 os.replace(path, sealed)
                 self.sealed.append(sealed.name)
             _fsync_dir(self.directory)
+            if self.uploader is not None:
+                self.uploader.wake()
         finally:
             os.close(self._fd)
             self._fd, self._path = -1, None
