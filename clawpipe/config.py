@@ -2,7 +2,7 @@
 
 Every environment variable clawpipe honours is a field of :class:`Settings` (prefix ``CLAWPIPE_``).
 :func:`prepare_environment` also sets the offline-safe Prefect and MLflow variables measured in
-NOTES.md, and must run before either library is imported (the CLI and flows call it first).
+docs/ARCHITECTURE.md (pitfalls), and must run before either library is imported (the CLI and flows call it first).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def get_settings() -> Settings:
 
 
 def prepare_environment(settings: Settings | None = None) -> Settings:
-    """Set offline-safe Prefect/MLflow variables (NOTES.md) unless the user set them already."""
+    """Set offline-safe Prefect/MLflow variables (docs/ARCHITECTURE.md, pitfalls) unless the user set them already."""
     s = settings or get_settings()
     defaults = {
         "PREFECT_HOME": str(s.prefect_home),

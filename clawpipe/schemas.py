@@ -1,6 +1,6 @@
 """Arrow schemas of every table, with one spelling per column across Python, SQL and Parquet.
 
-Identity: experiment > run > iteration > group > rollout > call (DESIGN.md). ``model_calls`` holds one
+Identity: experiment > run > iteration > group > rollout > call (docs/ARCHITECTURE.md). ``model_calls`` holds one
 row per call and choice; ``rollouts`` one row per harness execution; ``tree_nodes``, ``tree_stats`` and
 ``tree_sequences`` the reconstructed prefix trees. Partition columns (run_id, iteration) are real columns
 too, so a file read without hive partitioning still carries them.

@@ -3,7 +3,7 @@
 Layout: ``<lake>/<table>/run_id=<R>/iteration=<I>/part-*.parquet``; ``<lake>/rejects/part-*.parquet``.
 Readers get an in-memory DuckDB connection with one view per table, defined in ``sql/views/<table>.sql``
 over ``read_parquet(..., hive_partitioning=true, union_by_name=true)``, so no writer ever holds a lock
-that blocks them (NOTES.md). A table with no files yet gets an empty view with the right columns.
+that blocks them (docs/ARCHITECTURE.md, pitfalls). A table with no files yet gets an empty view with the right columns.
 Writers stage files under a name readers do not match and rename them into place.
 
 The lake root is a local path (default) or a filesystem URL: ``file:///abs/path`` or any fsspec URL

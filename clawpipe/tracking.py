@@ -64,7 +64,8 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class MlflowTracker:
-    """Logs to MLflow with batched calls (one log_batch per step; NOTES.md: log_metric in a loop is slow)."""
+    """Logs to MLflow with batched calls (one log_batch per step: log_metric in a loop is slow,
+    docs/ARCHITECTURE.md)."""
 
     def __init__(self, experiment: str = "clawpipe", tracking_uri: str | None = None) -> None:
         import mlflow

@@ -1,6 +1,6 @@
 """Parse one captured response (any API, streamed or not) into the columns of ``model_calls``.
 
-Shapes (CONTRACTS.md A): chat and completions (OpenAI, vLLM ``return_token_ids``), responses (OpenAI
+Shapes (docs/ARCHITECTURE.md, contract A): chat and completions (OpenAI, vLLM ``return_token_ids``), responses (OpenAI
 Responses) and messages (Anthropic), each plain JSON or SSE. Streams are reassembled into the object the
 non-streamed call would have returned, which is what the ``response`` column stores.
 
@@ -86,7 +86,8 @@ def _logprob_values(lp: Any) -> list[float] | None:
 
 
 def _read_top_fields(obj: dict[str, Any], parsed: ParsedCall) -> None:
-    """The top-level fields every API's response carries (CONTRACTS A): prompt ids, policy version, model."""
+    """The top-level fields every API's response carries (docs/ARCHITECTURE.md, contract A): prompt ids, policy
+    version, model."""
     parsed.prompt_token_ids = obj.get("prompt_token_ids")
     parsed.policy_version = obj.get("policy_version")
     parsed.spliced_tokens = obj.get("spliced_tokens")

@@ -3,7 +3,8 @@
 Uses the served model's ``tokenizer.json`` (the ``tokenizers`` library) and its chat template (jinja2, as
 ``transformers`` renders it) — never ``transformers`` itself, which must stay out of the proxy. Runs in a
 worker thread before the capture write, so the event loop never tokenizes. Re-encoded ids are an
-approximation of what the sampler saw (NOTES.md: retokenization); the header marks them so the lake and
+approximation of what the sampler saw (docs/ARCHITECTURE.md, pitfalls: retokenization); the header marks them so the
+lake and
 the trainer can keep them apart.
 """
 

@@ -1,4 +1,4 @@
-"""Which paths the proxy serves, and how it asks the upstream for token ids (CONTRACTS A).
+"""Which paths the proxy serves, and how it asks the upstream for token ids (docs/ARCHITECTURE.md, contract A).
 
 The harness's body is forwarded with ``return_token_ids`` (and ``logprobs`` for chat/completions) added;
 the capture keeps the original body and records the change in the header's ``request_changes``.
@@ -20,7 +20,7 @@ ROUTES = {
 # The model calls: forwarded with token ids asked for (below). The others (models, count_tokens) are
 # forwarded as they are and captured with token_source "none", so training never sees them.
 TOKEN_APIS = frozenset(("chat", "completions", "responses", "messages"))
-# Fields added to the forwarded body per API (CONTRACTS A); logprobs only when absent or falsy.
+# Fields added to the forwarded body per API (docs/ARCHITECTURE.md, contract A); logprobs only when absent or falsy.
 WANTED_FIELDS: dict[str, dict[str, Any]] = {
     "chat": {"return_token_ids": True, "logprobs": True},
     "completions": {"return_token_ids": True, "logprobs": 1},

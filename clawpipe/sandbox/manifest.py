@@ -1,7 +1,7 @@
 """Harness manifests (``harnesses/<name>/harness.toml``) and task instance files, parsed and validated.
 
 Everything here fails before any sandbox starts, with a :class:`ManifestError` that names the file, the
-field and what is allowed. The manifest format is CONTRACTS section C; see README "Writing a harness".
+field and what is allowed. The manifest format is contract C in docs/ARCHITECTURE.md; see README "Writing a harness".
 """
 
 from __future__ import annotations

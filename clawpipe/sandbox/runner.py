@@ -3,8 +3,9 @@
 :func:`run_rollouts` (or the streaming :func:`iter_rollouts`) takes :class:`RolloutSpec` s, prepares each
 rollout's folder on the host (work dir, task JSON, the task set's starting files), mints its proxy key,
 runs it in a backend with bounded concurrency, computes the reward with the task set's verifier after
-the harness exits, and appends the row to the results JSONL (CONTRACTS D) the moment it is known, so
-nothing is lost if the batch dies. Only infra errors (a sandbox that would not start) are retried;
+the harness exits, and appends the row to the results JSONL (docs/ARCHITECTURE.md, contract D) the
+moment it is known, so nothing is lost if the batch dies. Only infra errors (a sandbox that would not
+start) are retried, up to ``max_attempts`` (the pipeline passes 1: its Prefect task retries the batch);
 :func:`masked_groups` names GRPO groups that an infra failure left incomplete.
 """
 
@@ -62,7 +63,7 @@ class RolloutSpec:
     run_id: str
     iteration: int
     harness: str | HarnessManifest  # a name found under harnesses/, a folder path, or a loaded manifest
-    task: dict[str, Any]  # a task instance (CONTRACTS C)
+    task: dict[str, Any]  # a task instance (docs/ARCHITECTURE.md, contract C)
     model: str  # the served model name the harness is told to use
     group_id: str | None = None  # GRPO group; default: the task id
     sample_idx: int = 0
@@ -418,7 +419,7 @@ def check_proxy(proxy_url: str, timeout_s: float = 3.0) -> None:
 
 
 def default_results_path(run_id: str, iteration: int, batch: str, captures_dir: Path | None = None) -> Path:
-    """<captures>/results/<run_id>/<iteration>/results-<batch>.jsonl (CONTRACTS D)."""
+    """<captures>/results/<run_id>/<iteration>/results-<batch>.jsonl (docs/ARCHITECTURE.md, contract D)."""
     if captures_dir is None:
         from clawpipe.config import get_settings
 
@@ -517,8 +518,8 @@ def run_rollouts(
 ) -> list[RolloutResult]:
     """Run every spec against the proxy at ``proxy_url``; return the results in the order of ``specs``.
 
-    Each result row is appended to ``results_path`` (default: the CONTRACTS D path under the project's
-    captures dir) as soon as it is known. ``backend`` is "bwrap" (default), "docker", "process" or a
+    Each result row is appended to ``results_path`` (default: the contract D path of docs/ARCHITECTURE.md
+    under the project's captures dir) as soon as it is known. ``backend`` is "bwrap" (default), "docker", "process" or a
     Backend instance. ``progress(result, done, total)`` is called after each rollout. Other options:
     secret, scratch_dir, task_sets (name -> task set, default clawpipe.tasks.get_task_set), harness_dirs,
     max_attempts (infra retries), keep_workdirs, timeout_s (overrides the manifests'), batch_id,

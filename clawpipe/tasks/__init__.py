@@ -1,6 +1,6 @@
 """Task sets: generators of task instances and the verifiers that reward what a harness left behind.
 
-A task set (CONTRACTS C) has a ``name`` and three methods:
+A task set (docs/ARCHITECTURE.md, contract C) has a ``name`` and three methods:
 
 - ``generate(n, seed, split="train") -> list[dict]``: ``n`` task instances, deterministic per seed, with
   keys ``task_set``, ``task_id`` (unique within one call), ``prompt``, ``data`` (task-specific, may hold the

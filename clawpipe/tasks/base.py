@@ -70,7 +70,8 @@ def sample_keys(task_set: str, n: int, seed: int, split: str, draw: Callable[[ra
 
 
 def validate_task(task: Any, where: str = "task") -> dict[str, Any]:
-    """Check one task instance (CONTRACTS C) and return it; raise ManifestError naming ``where`` and the field.
+    """Check one task instance (docs/ARCHITECTURE.md, contract C) and return it; raise ManifestError naming ``where``
+    and the field.
 
     The one check of a task's shape: task files, the runner's specs and generated tasks all go through it.
     """

@@ -69,7 +69,8 @@ def load_policy(policy_dir: str | os.PathLike[str], *, attn_implementation: str 
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         try:
-            # never AutoTokenizer: on a qwen2 config it swaps the pre-tokenizer and changes ids (NOTES.md)
+            # never AutoTokenizer: on a qwen2 config it swaps the pre-tokenizer and changes ids
+            # (docs/ARCHITECTURE.md, pitfalls)
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         except Exception as exc:
             raise TrainingError(f"tokenizer in {path} does not load: {exc}") from exc

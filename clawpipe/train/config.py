@@ -119,7 +119,9 @@ class TrainConfig(BaseModel):
     epochs: int = Field(1, ge=1, description="Optimizer steps over the same batch (PPO epochs).")
 
     # --- data and packing ------------------------------------------------------------------------------------
-    tree_scope: Literal["group", "rollout"] = Field("group", description="Which trees to train on (CONTRACTS E).")
+    tree_scope: Literal["group", "rollout"] = Field(
+        "group", description="Which trees to train on (docs/ARCHITECTURE.md, contract E)."
+    )
     max_tokens_per_micro_batch: int = Field(
         4096,
         ge=16,

@@ -1,4 +1,5 @@
-"""Prefix trees: captured calls rebuilt as token tries per rollout and per group (DESIGN.md "Tree semantics").
+"""Prefix trees: captured calls rebuilt as token tries per rollout and per group (docs/ARCHITECTURE.md, "Tree
+semantics").
 
 Public API:
 - :func:`build_trees` / :func:`build_iteration`: lake model_calls + rollouts -> lake tree_nodes, tree_stats

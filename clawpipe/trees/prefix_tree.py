@@ -1,6 +1,6 @@
 """One radix prefix tree from a set of token sequences, with generation ownership and branch causes.
 
-Algorithm (per tree, DESIGN.md "Tree semantics"):
+Algorithm (per tree, docs/ARCHITECTURE.md, "Tree semantics"):
 
 1. Each sequence (prompt + completion of one call x choice) becomes a big-endian ``bytes`` key, so a
    plain ``sorted`` (memcmp) orders the sequences lexicographically and a prefix sorts before its

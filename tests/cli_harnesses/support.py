@@ -63,7 +63,8 @@ def harness_env(
     extra: dict[str, str] | None = None,
     rollout_prefix: bool = True,
 ) -> dict[str, str]:
-    """The environment CONTRACTS C gives a harness, pointed at ``base_url`` (no sandbox); the base URLs
+    """The environment contract C (docs/ARCHITECTURE.md) gives a harness, pointed at ``base_url`` (no sandbox); the
+    base URLs
     carry the proxy's ``/r/<key>`` prefix unless ``rollout_prefix`` is false (an upstream without it)."""
     root = f"{base_url.rstrip('/')}/r/{key}" if rollout_prefix else base_url.rstrip("/")
     env = {

@@ -1,7 +1,8 @@
 """The real CLIs in bwrap sandboxes, through the capture proxy, in concurrent rollout batches.
 
 Upstream: the scripted server (first call of a rollout: a shell tool call; follow-up: text; token ids in
-the CONTRACTS A shape). Checked per harness: the rollout succeeded with the verifier's reward (the tool ran
+contract A's shape in docs/ARCHITECTURE.md). Checked per harness: the rollout succeeded with the verifier's reward
+(the tool ran
 INSIDE the sandbox and wrote into the work dir), exactly two calls were captured, both with upstream token
 ids, and the follow-up's prompt ids extend the first call's prompt + completion; landed into the lake and
 reconstructed, each rollout's tree is one lineage (the tool result as context). OpenClaw runs over its

@@ -1,4 +1,5 @@
-"""Run a reference harness as a plain subprocess with the environment the runner gives it (CONTRACTS C),
+"""Run a reference harness as a plain subprocess with the environment the runner gives it (docs/ARCHITECTURE.md,
+contract C),
 against the scripted vLLM-shaped upstream (tests/support/upstream.py), then score it with its verifier."""
 
 from __future__ import annotations

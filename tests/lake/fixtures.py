@@ -1,4 +1,5 @@
-"""Capture records in every API's real response shape (CONTRACTS.md A), streamed and not, for lake tests.
+"""Capture records in every API's real response shape (docs/ARCHITECTURE.md, contract A), streamed and not, for lake
+tests.
 
 ``response_body(api, stream, completion)`` renders one completion the way the engine (or vLLM, or an
 Anthropic/OpenAI-compatible server) would return it; ``record(...)`` frames it with a proxy header.

@@ -77,7 +77,8 @@ def test_no_ids_and_no_tokenizer_is_marked_none_and_counted(make_proxy):
 
 @pytest.mark.slow
 def test_retokenizer_matches_the_served_policys_chat_template(tmp_path: Path):
-    """The proxy's template rendering (jinja2 + tokenizers) gives the ids transformers gives (CONTRACTS F)."""
+    """The proxy's template rendering (jinja2 + tokenizers) gives the ids transformers gives (docs/ARCHITECTURE.md,
+    contract F)."""
     from clawpipe.serving.policy import init_policy, load_tokenizer
 
     d = init_policy(tmp_path / "policy", size="tiny")

@@ -1,6 +1,7 @@
 """A private Docker engine for tests: started where docker.io is installed and no engine answers.
 
-Flags from NOTES.md: no iptables, no bridge, private data/exec roots and socket, so the host network
+Flags from docs/ARCHITECTURE.md (pitfalls: private Docker engine): no iptables, no bridge, private data/exec roots
+and socket, so the host network
 and any other engine are left alone. Stopped by its PID when the test session ends.
 """
 

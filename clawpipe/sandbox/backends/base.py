@@ -117,7 +117,8 @@ class Backend(Protocol):
 def harness_env(
     job: SandboxJob, *, port: int, workdir: str, task_path: str, path_dirs: list[str], kit_path: str = INNER_KIT
 ) -> dict[str, str]:
-    """The complete environment of a harness (CONTRACTS C): declared variables plus the runner's own.
+    """The complete environment of a harness (docs/ARCHITECTURE.md, contract C): declared variables plus the runner's
+    own.
 
     ``kit_path`` is where the harness sees the shared harness library; it is exported as
     $CLAWPIPE_HARNESS_KIT only when the harness has one (``job.manifest.kit_dir``).
