@@ -152,3 +152,41 @@ def test_pipeline_worker_runs_nproc_2_steps_as_distributed_launches(home: Path, 
     a = load_policy(Path(second["checkpoint"])).model.state_dict()
     b = load_policy(direct2.checkpoint_dir).model.state_dict()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= TOL
+
+
+def test_launcher_command_standalone_and_multi_node():
+    from clawpipe.errors import ConfigError
+    from clawpipe.train.launch import launcher_command
+
+    one = launcher_command(4)
+    assert one[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone"]
+    assert one[-3:] == ["-m", "clawpipe", "train"]
+    multi = launcher_command(8, nnodes=2, rdzv_endpoint="node0:29500", rdzv_id="r-3")
+    assert "--nnodes=2" in multi and "--rdzv-endpoint=node0:29500" in multi and "--rdzv-backend=c10d" in multi
+    assert "--standalone" not in multi
+    with pytest.raises(ConfigError, match="rdzv_endpoint"):
+        launcher_command(8, nnodes=2)
+    with pytest.raises(ConfigError, match="rdzv_endpoint"):
+        make_config(nnodes=2)
+
+
+@pytest.mark.slow
+def test_cli_train_nproc_2(home: Path, tmp_path: Path):
+    """`clawpipe train --nproc 2` launches the ranks itself and prints rank 0's summary."""
+    import os
+
+    from clawpipe.serving.policy import init_policy
+    from tests.train.test_step import RUN, write_lake
+
+    policy = init_policy(tmp_path / "v0", size="tiny", seed=0)
+    write_lake(home / "lake", policy, iteration=0)
+    (tmp_path / "train.toml").write_text('device = "cpu"\n')
+    cmd = [sys.executable, "-m", "clawpipe", "train", "--run", RUN, "--iteration", "0", "--nproc", "2"]
+    cmd += ["--config", str(tmp_path / "train.toml"), "--policy", str(policy), "--out", str(tmp_path / "out")]
+    cmd += ["--no-track", "--metrics-out", str(tmp_path / "m.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ranks 2" in proc.stdout and "policy_version 1" in proc.stdout
+    done = json.loads((tmp_path / "m.json").read_text())
+    assert done["metrics"]["dist/world_size"] == 2.0
+    assert (Path(done["checkpoint"]) / "sharded" / ".metadata").is_file()
