@@ -88,6 +88,12 @@ def serve(
         help="Directory /admin/reload may load checkpoints from (repeatable; '*' matches one folder). Default: "
         "CLAWPIPE_RELOAD_ROOTS, else <home>/models and <home>/runs/*/checkpoints.",
     ),
+    splice: bool = typer.Option(
+        True,
+        "--splice/--no-splice",
+        help="Carry a rollout's own sampled ids into its next prompt where the harness sent the turn back "
+        "unchanged (the rollout is named by the capture proxy's header).",
+    ),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     tool_parser: str = typer.Option("hermes", "--tool-parser", help="vLLM tool-call parser."),
     dry_run: bool = typer.Option(False, "--dry-run", help="vllm: print the command instead of running it."),
@@ -130,6 +136,7 @@ def serve(
         prefill_chunk_tokens=prefill_chunk_tokens,
         max_prompt_tokens=max_prompt_tokens,
         reload_roots=list(reload_root) or None,
+        splice=splice,
     )
 
 

@@ -59,7 +59,8 @@ def test_model_publish_reloads_a_running_server(policy_dir: Path, tmp_path: Path
 
 @pytest.mark.slow
 def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: Path, tmp_path: Path) -> None:
-    """The command line the pipeline starts: `clawpipe serve` with repeated --served-name and --reload-root."""
+    """The command line the pipeline starts: `clawpipe serve` with repeated --served-name and --reload-root
+    (and --no-splice: a rollout's turn sent back unchanged is re-encoded, not carried as its sampled ids)."""
     import subprocess
     import sys
     import time
@@ -71,7 +72,7 @@ def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: 
     port = free_port()
     root = tmp_path / "ckpts"
     cmd = [sys.executable, "-m", "clawpipe", "serve", "--model", str(policy_dir), "--port", str(port)]
-    cmd += ["--served-name", "clawpipe-policy", "--served-name", "alias", "--reload-root", str(root)]
+    cmd += ["--served-name", "clawpipe-policy", "--served-name", "alias", "--reload-root", str(root), "--no-splice"]
     proc = subprocess.Popen(cmd, env={**os.environ, "CLAWPIPE_ADMIN_TOKEN": "t"})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -88,6 +89,14 @@ def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: 
             f"{url}/admin/reload", json={"path": str(policy_dir)}, headers={"Authorization": "Bearer t"}
         )
         assert outside.status_code == 403 and str(root) in outside.json()["error"]["message"]
+        rollout = {"x-clawpipe-rollout": "run/0/r0"}
+        turn = [{"role": "user", "content": "hi"}]
+        body = {"model": "alias", "messages": turn, "max_tokens": 6, "seed": 1}
+        first = httpx.post(f"{url}/v1/chat/completions", json=body, headers=rollout).json()
+        reply = first["choices"][0]["message"]["content"]
+        body["messages"] = [*turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
+        second = httpx.post(f"{url}/v1/chat/completions", json=body, headers=rollout).json()
+        assert second["spliced_tokens"] == 0 and httpx.get(f"{url}/health").json()["splice"]["spliced_turns"] == 0
     finally:
         proc.terminate()
         proc.wait(30)
