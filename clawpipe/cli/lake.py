@@ -98,7 +98,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command("land")
     def land_cmd(
-        captures: Path | None = typer.Option(None, "--captures", help="Capture dir; default <CLAWPIPE_HOME>/captures."),
+        captures: str | None = typer.Option(
+            None, "--captures", help="Capture dir or URL (e.g. s3://bucket/lake/captures); default <home>/captures."
+        ),
         lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
     ) -> None:
         """Land new capture segments and rollout results into the lake (exactly once; safe to rerun)."""

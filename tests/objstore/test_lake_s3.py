@@ -86,6 +86,20 @@ def test_land_twice_from_the_bucket(s3_bucket: str, tmp_path: Path, monkeypatch:
     assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == 3
 
 
+def test_clawpipe_land_takes_a_bucket_url(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from clawpipe.cli import app
+
+    monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
+    cap, n = _captures(tmp_path, 2, 5)
+    url = _upload(cap, s3_bucket)
+    lake = f"{s3_bucket}/lake"
+    out = CliRunner().invoke(app, ["land", "--captures", url, "--lake", lake])
+    assert out.exit_code == 0, out.output
+    assert _counts(lake) == (n, n)
+
+
 def test_two_processes_land_at_once(s3_bucket: str, tmp_path: Path) -> None:
     cap, n = _captures(tmp_path, 4, 40)
     url = _upload(cap, s3_bucket)

@@ -7,7 +7,6 @@ Child processes started by a test inherit the variables, so they reach the same 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from clawpipe.net import free_port
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
-    pytest.importorskip("moto.server", reason="moto[server] is in the dev extras")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
