@@ -10,7 +10,11 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("proxy")
     def proxy(
-        upstream: list[str] = typer.Option(..., "--upstream", help="Policy server base URL (repeat for replicas)."),
+        upstream: list[str] = typer.Option(
+            ...,
+            "--upstream",
+            help="Policy server base URL (repeat for replicas: balanced by load, sticky per rollout).",
+        ),
         port: int = typer.Option(8400, "--port", help="Port to listen on (0 picks a free one)."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
         capture_dir: Path | None = typer.Option(
@@ -40,6 +44,9 @@ def register(app: typer.Typer) -> None:
             120.0, "--idle-timeout", help="Close keep-alive connections idle this long."
         ),
         upstream_timeout: float = typer.Option(600.0, "--upstream-timeout", help="Seconds of upstream silence -> 504."),
+        replica_backoff: float = typer.Option(
+            5.0, "--replica-backoff", help="Seconds a failed upstream is skipped (doubles while it keeps failing)."
+        ),
         segment_mb: float = typer.Option(64.0, "--segment-mb", help="Rotate segments at this size."),
         segment_age: float = typer.Option(300.0, "--segment-age", help="Rotate segments at this age (s)."),
         fsync: bool = typer.Option(
@@ -67,6 +74,7 @@ def register(app: typer.Typer) -> None:
             header_timeout_s=header_timeout,
             idle_timeout_s=idle_timeout,
             upstream_timeout_s=upstream_timeout,
+            replica_backoff_s=replica_backoff,
             segment_max_bytes=int(segment_mb * (1 << 20)),
             segment_max_age_s=segment_age,
             fsync=fsync,

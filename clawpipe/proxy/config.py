@@ -30,6 +30,7 @@ class ProxyConfig:
     idle_timeout_s: float = 120.0  # a keep-alive connection with no request for this long is closed
     upstream_timeout_s: float = 600.0  # max silence from the upstream (before the head and between bytes)
     connect_timeout_s: float = 5.0
+    replica_backoff_s: float = 5.0  # a failed upstream replica is skipped this long (doubling while it fails)
     pause_wait_s: float = 120.0  # how long a new call waits during a pause before a 503
     drain_timeout_s: float = 120.0  # how long /admin/pause and shutdown wait for in-flight calls
     segment_max_bytes: int = 64 << 20
@@ -52,6 +53,7 @@ class ProxyConfig:
             "header_timeout_s",
             "idle_timeout_s",
             "upstream_timeout_s",
+            "replica_backoff_s",
         )
         bad = [name for name in positive if not getattr(self, name) > 0]
         if bad:

@@ -1,11 +1,12 @@
 """The capture proxy: an OpenAI/Anthropic-compatible HTTP/1.1 front of the policy servers that records calls.
 
 Each call is attributed to its rollout by a key (:mod:`clawpipe.keys`) in the path (``/r/<key>/v1/...``)
-or as the bearer / ``x-api-key`` token; it is forwarded to one upstream replica (sticky per rollout) with
-``return_token_ids``/``logprobs`` added, streamed back byte for byte, and appended to a capture segment
-(:mod:`clawpipe.proxy.segments`). Durability guarantee: the response of a non-streamed call, and the
-final bytes of a streamed one (the chunk holding its end marker and the chunked terminator), are released
-to the harness only after the call's record is fsynced: a call whose response reached the harness is on disk.
+or as the bearer / ``x-api-key`` token; it is forwarded to one upstream replica (the least loaded, then sticky
+per rollout: :mod:`~clawpipe.proxy.replicas`) with ``return_token_ids``/``logprobs`` added, streamed back
+byte for byte, and appended to a capture segment (:mod:`clawpipe.proxy.segments`). Durability guarantee: the
+response of a non-streamed call, and the final bytes of a streamed one (the chunk holding its end marker and
+the chunked terminator), are released to the harness only after the call's record is fsynced: a call whose
+response reached the harness is on disk.
 Every call with a valid key that was read whole is captured exactly once, whatever its end (upstream error,
 response over the size limit, body over the budget, shutdown, an internal error); requests that cannot be
 framed, that never finish arriving, or that exceed the connection cap are answered without a record.
@@ -30,7 +31,6 @@ import os
 import secrets
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +43,7 @@ from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.limits import MAX_POLICY_VERSION, BodyBudget, valid_policy_version
 from clawpipe.proxy.outcome import Outcome, judge
+from clawpipe.proxy.replicas import RETRY_STATUSES, ReplicaSet, handle_replica_admin
 from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, prepare_body
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
@@ -93,6 +94,7 @@ class ProxyServer:
             "paused_waits": 0,
             "pause_timeouts": 0,
             "upstream_retries": 0,
+            "replica_retries": 0,
             "capture_failures": 0,
             "timed_out_connections": 0,
         }
@@ -117,6 +119,7 @@ class ProxyServer:
         )
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._replicas: list[Replica] = []
+        self.replicas = ReplicaSet([], time.monotonic)
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -151,6 +154,7 @@ class ProxyServer:
             )
             for u in cfg.upstreams
         ]
+        self.replicas = ReplicaSet(self._replicas, loop.time, cfg.replica_backoff_s)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._drained = asyncio.Event()
@@ -299,6 +303,9 @@ class ProxyServer:
 
     async def _handle(self, conn: ClientConn, req: wire.Request) -> None:
         try:
+            if req.path.startswith("/admin/replicas"):
+                await handle_replica_admin(self, conn, req)
+                return
             if req.path.startswith("/admin/"):
                 await handle_admin(self, conn, req)
                 return
@@ -468,24 +475,52 @@ class ProxyServer:
         target = path + "?" + query if query else path
         call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=self.config.max_response_bytes)
         conn.call = call
-        replicas = self._replicas
-        start = zlib.crc32(header["rollout_id"].encode()) % len(replicas) if len(replicas) > 1 else 0
         t_up = time.perf_counter()
         last_error = ""
-        for k in range(len(replicas)):
-            rep = replicas[(start + k) % len(replicas)]
+        rid = header["rollout_id"]
+        tried: list[Replica] = []
+        sent = False
+        rep = self.replicas.pick(rid)
+        while rep is not None:  # the first replica, then at most one other (see _exchange for when)
+            tried.append(rep)
             header["upstream"] = rep.url
             raw = rep.request_bytes(req.method, target, fwd_headers, body if api != "models" else b"")
-            if await self._exchange(rep, raw, call, conn):
+            rep.in_flight += 1  # no await between pick and here: concurrent picks see this call's load
+            try:
+                sent = await self._exchange(rep, raw, call, conn)
+            finally:
+                rep.in_flight -= 1
+            if self._stopping:
                 break
-            last_error = call.error or f"upstream {rep.url} unreachable"
+            self.replicas.report(rep, sent, call.outcome, call.status, call.error)
+            if sent:
+                rep.calls += 1
+                self.replicas.bind(rid, rep)
+            refused = call.outcome == "end" and call.status in RETRY_STATUSES and not call.streaming
+            nxt = self.replicas.pick(rid, tried) if len(tried) < 2 and (not sent or refused) else None
+            if sent and nxt is None:
+                break
+            if not sent:
+                last_error = call.error or f"upstream {rep.url} unreachable"
+            if nxt is not None:
+                self.stats["replica_retries"] += 1
+                log.warning("call retried on another replica rollout_id=%s from=%s to=%s", rid, rep.url, nxt.url)
+                if sent:  # a fresh sink: nothing of the refused answer reached the client
+                    call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=call.limit)
+                    conn.call = call
+            rep = nxt
         else:
             header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
-            if self._stopping:  # waited for an upstream connection until the proxy stopped
-                msg = "the proxy shut down before the call reached an upstream; retry the call"
+            if not tried:
+                msg = "every upstream replica is drained; undrain one (POST /admin/replicas/undrain) and retry"
                 await self._fail(conn, req, header, 503, msg, anthropic)
             else:
                 await self._fail(conn, req, header, 502, last_error or "no upstream reachable", anthropic)
+            return
+        if self._stopping and not sent:  # waited for an upstream connection until the proxy stopped
+            header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
+            msg = "the proxy shut down before the call reached an upstream; retry the call"
+            await self._fail(conn, req, header, 503, msg, anthropic)
             return
         header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
         outcome = call.outcome
@@ -525,7 +560,16 @@ class ProxyServer:
         respond.after_call(conn, call, ok, req.keep_alive, header["http_status"], response, anthropic=anthropic)
 
     async def _exchange(self, rep: Replica, raw: bytes, call: Call, conn: ClientConn) -> bool:
-        """Send one request to a replica; False when it could not be reached (try the next replica)."""
+        """Send one request to a replica; False when it was never sent (no connection could be had).
+
+        When a call is sent again, never a call the upstream may have executed:
+        - here, on the same replica, once: a pooled keep-alive connection the upstream had already closed
+          (the write met a closed socket: the connection ends with no response byte);
+        - by the caller, on one other replica, once, and only while nothing reached the client: when this
+          returns False (no connection: the request never left the proxy), or when the replica answered 502
+          or 503 in its response head (it did not serve the call; its error body is dropped). Any other end
+          (a connection broken after the request was sent, a timeout, any other status) is final.
+        """
         for attempt in range(2):
             try:
                 up, reused = await rep.acquire()

@@ -316,7 +316,14 @@ class Replica:
         self.peak = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._live: set[UpstreamConn] = set()
-        self.healthy = True
+        # rotation state, kept by clawpipe.proxy.replicas.ReplicaSet
+        self.in_flight = 0  # calls assigned to this replica and not yet ended (waiting for a connection too)
+        self.calls = 0  # calls sent here since start
+        self.draining = False  # out of rotation for new calls; in-flight ones finish
+        self.down_until = 0.0  # loop time until which the replica is skipped after a failure
+        self.failures = 0  # consecutive failures (the back-off doubles with each)
+        self.errors = 0  # failures since start
+        self.last_error: str | None = None
 
     async def acquire(self) -> tuple[UpstreamConn, bool]:
         """An idle connection (reused=True) or a new one, waiting while the pool is full; raises
