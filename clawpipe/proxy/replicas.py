@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import zlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 from clawpipe.proxy import wire
@@ -46,7 +46,7 @@ class ReplicaSet:
         self._sticky: dict[str, Replica] = {}
         self._index = {r.url: r for r in self.replicas}
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Replica]:
         return iter(self.replicas)
 
     def __len__(self) -> int:

@@ -76,7 +76,7 @@ def three() -> Iterator[list[ScriptedUpstream]]:
 def test_concurrent_rollouts_spread_by_load_not_hash(make_proxy, three: list[ScriptedUpstream]):
     """30 rollouts whose ids all hash to replica 0 arrive at once: the least loaded replica takes each."""
     for u in three:
-        u.delay_s = 0.8  # every call is still in flight when the last one arrives
+        u.delay_s = 1.5  # every call is still in flight when the last one arrives
     proxy = make_proxy([u.url for u in three])
     rids = ids_hashing_to(0, 3, 30, "lb")
     answers = together(lambda rid: chat(proxy, rid), rids)
