@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +48,19 @@ def enable_activation_checkpointing(model: Any) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@dataclass
+class StepState:
+    """What one training step computes before its epochs, per contribution (a (token, sequence) pair):
+    the proximal logprobs (filled by the first epoch's forward), and, where the algorithm needs them, the
+    frozen reference's logprobs (KL), the pre-step values, advantages and returns (PPO)."""
+
+    prox: np.ndarray  # (C,) float32
+    ref: np.ndarray | None = None  # (C,) reference policy logprobs
+    v_old: np.ndarray | None = None  # (C,) pre-step values
+    adv: np.ndarray | None = None  # (C,) PPO advantages (GRPO keeps the batch's own)
+    returns: np.ndarray | None = None  # (C,) PPO returns
 
 
 class Trainer:
@@ -159,10 +173,9 @@ class Trainer:
             )
 
     @torch.no_grad()
-    def _prepass(self, batch: TrainBatch, mbs: list[MicroBatch]) -> dict[str, np.ndarray]:
+    def _prepass(self, batch: TrainBatch, mbs: list[MicroBatch], out: StepState) -> None:
         """Reference logprobs (KL) and pre-step values (PPO) per contribution, without gradients."""
         c = batch.contrib
-        out: dict[str, np.ndarray] = {}
         if self.reference is not None:
             ref = np.zeros(len(c), dtype=np.float32)
             for mb in mbs:
@@ -170,7 +183,7 @@ class Trainer:
                     continue
                 s = self._score(self.reference, mb)
                 ref[mb.contrib_index] = s.logprob[mb.contrib_score].float().cpu().numpy()
-            out["ref"] = ref
+            out.ref = ref
         if self.value_head is not None:
             v = np.zeros(len(c), dtype=np.float32)
             for mb in mbs:
@@ -181,8 +194,7 @@ class Trainer:
                 from clawpipe.train.distributed import all_reduce_array
 
                 v = all_reduce_array(v, self.dist)
-            out["v_old"] = v
-        return out
+            out.v_old = v
 
     def _rank_totals(self, metrics: dict[str, float]) -> dict[str, float]:
         """Forward tokens over all ranks, the busiest rank's share, and the world size."""
@@ -220,7 +232,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------
     def accumulate(
-        self, batch: TrainBatch, mbs: list[MicroBatch], *, epoch: int = 0, state: dict | None = None
+        self, batch: TrainBatch, mbs: list[MicroBatch], *, epoch: int = 0, state: StepState | None = None
     ) -> dict[str, float]:
         """Forward + backward over all micro-batches (gradients accumulate); returns summed loss parts."""
         state = state if state is not None else self.prepare(batch, mbs)
@@ -239,7 +251,7 @@ class Trainer:
             return merge_sums(dict(sums), self.dist, MAX_PARTS)
         return dict(sums)
 
-    def _accumulate_one(self, batch: TrainBatch, mb: MicroBatch, epoch: int, state: dict) -> dict[str, float]:
+    def _accumulate_one(self, batch: TrainBatch, mb: MicroBatch, epoch: int, state: StepState) -> dict[str, float]:
         """Forward + backward of one micro-batch; its loss parts (and logprob drift on the first epoch)."""
         c = batch.contrib
         idx = mb.contrib_index
@@ -251,10 +263,10 @@ class Trainer:
             return out
         lp = s.logprob[mb.contrib_score]  # (C_mb,)
         if epoch == 0:
-            state["prox"][idx] = lp.detach().float().cpu().numpy()
+            state.prox[idx] = lp.detach().float().cpu().numpy()
             current = ~c.stale[idx]
             if current.any():
-                diff = np.abs(state["prox"][idx][current] - c.old_logprob[idx][current])
+                diff = np.abs(state.prox[idx][current] - c.old_logprob[idx][current])
                 out["logprob/max_abs_diff_current"] = float(diff.max())
                 out["_diff_sum"] = float(diff.sum())
                 out["_diff_n"] = float(current.sum())
@@ -265,31 +277,29 @@ class Trainer:
         x = TermInputs(
             logprob=lp,
             old_logprob=t(c.old_logprob),
-            prox_logprob=t(state["prox"]),
+            prox_logprob=t(state.prox),
             stale=t(c.stale),
-            adv=t(state.get("adv", c.adv)).float(),
+            adv=t(state.adv if state.adv is not None else c.adv).float(),
             coef=t(c.coef).float(),
             entropy=s.entropy[mb.contrib_score],
-            ref_logprob=t(state["ref"]) if "ref" in state else None,
+            ref_logprob=t(state.ref) if state.ref is not None else None,
             value=s.value[mb.contrib_score] if s.value is not None else None,
-            v_old=t(state["v_old"]) if "v_old" in state else None,
-            returns=t(state["returns"]) if "returns" in state else None,
+            v_old=t(state.v_old) if state.v_old is not None else None,
+            returns=t(state.returns) if state.returns is not None else None,
         )
         loss, parts = contribution_loss(x, self.config)
         loss.backward()
         out.update({k: float(v) for k, v in parts.items()})
         return out
 
-    def prepare(self, batch: TrainBatch, mbs: list[MicroBatch]) -> dict:
+    def prepare(self, batch: TrainBatch, mbs: list[MicroBatch]) -> StepState:
         """Per-step state: proximal logprobs slot, reference logprobs, PPO values/advantages/returns."""
-        state: dict = {"prox": np.zeros(len(batch.contrib), dtype=np.float32)}
-        need = self.reference is not None or self.value_head is not None
-        if need:
-            state.update(self._prepass(batch, mbs))
+        state = StepState(prox=np.zeros(len(batch.contrib), dtype=np.float32))
+        if self.reference is not None or self.value_head is not None:
+            self._prepass(batch, mbs, state)
         if self.config.algorithm == "ppo":
-            adv, returns = self.ppo_advantages(batch, state["v_old"])
-            state["adv"] = adv
-            state["returns"] = returns
+            assert state.v_old is not None  # PPO always has a value head
+            state.adv, state.returns = self.ppo_advantages(batch, state.v_old)
         return state
 
     def step(self, batch: TrainBatch, *, layout: str = "tree") -> dict[str, float]:
@@ -316,8 +326,8 @@ class Trainer:
         if self.dist is not None:
             metrics.update(self._rank_totals(metrics))
         state = self.prepare(batch, mbs)
-        if "adv" in state:
-            metrics["advantage/mean"] = float(np.mean(state["adv"]))
+        if state.adv is not None:
+            metrics["advantage/mean"] = float(np.mean(state.adv))
         else:
             metrics["advantage/mean"] = float(np.mean(c.adv))
             metrics["advantage/abs_mean"] = float(np.mean(np.abs(c.adv)))
