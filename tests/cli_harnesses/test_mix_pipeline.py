@@ -1,4 +1,4 @@
-"""One iteration of a mix-harness pipeline through two real CLIs and one reference harness (issue 10).
+"""One iteration of a mix-harness pipeline through two real CLIs and one reference harness.
 
 `clawpipe run` end to end (Prefect, local engine with the tiny policy, proxy, bwrap sandboxes, lake, trees,
 trainer, publish): Claude Code and Codex play `fixit` in their minimal modes, chat-loop plays `guess`.
