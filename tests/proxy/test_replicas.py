@@ -182,6 +182,7 @@ def test_bad_drain_requests_are_refused_and_change_nothing(make_proxy, upstream,
     assert chat(proxy, "still").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_routed_around_and_every_call_captured_once(make_proxy, three: list[ScriptedUpstream]):
     proxy = make_proxy([u.url for u in three])
     rids = [f"k{i}" for i in range(12)]

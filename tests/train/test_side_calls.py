@@ -176,6 +176,7 @@ def test_config_field_from_toml(tmp_path):
     assert cfg.flat_params()["exclude_side_calls_harnesses"] == "['codex', 'qwen-code']"
 
 
+@pytest.mark.slow
 def test_pipeline_train_stage_fills_list_from_manifests_and_step_reports_count(home, tmp_path):
     """The pipeline's train stage lists the harnesses whose manifest says exclude_side_calls = true (qwen-code,
     not chat-loop); the real trainer subprocess then drops their side calls and reports the count."""

@@ -248,6 +248,7 @@ def test_cli_trains_paths_longer_than_the_micro_batch_target(home, tmp_path, pol
     assert f"largest {int(m['tokens/largest_micro_batch'])} tokens (target 16" in res.output
 
 
+@pytest.mark.slow
 def test_mlflow_tracker(home):
     from clawpipe.tracking import NullTracker, make_tracker
 
