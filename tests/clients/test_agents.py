@@ -14,7 +14,7 @@ import pytest
 
 from tests.clients.conftest import FINAL_TEXT, MODEL, OPENAI_ROUTES, TOOL_RESULT, USER, Route
 
-pytestmark = pytest.mark.clients
+pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
 agents.set_tracing_disabled(True)  # no trace export to a hosted service
 

@@ -24,7 +24,7 @@ from tests.clients.conftest import (
     Route,
 )
 
-pytestmark = pytest.mark.clients
+pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
 
 def _turn(model: Any, messages: list[BaseMessage], stream: bool) -> AIMessage:

@@ -22,7 +22,7 @@ from tests.clients.conftest import (
     Route,
 )
 
-pytestmark = pytest.mark.clients
+pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
 
 def _completion(stream: bool, messages: list[dict[str, Any]], **kw: Any) -> Any:

@@ -23,7 +23,7 @@ from tests.clients.conftest import (
     Route,
 )
 
-pytestmark = pytest.mark.clients
+pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
 
 def _openai(route: Route) -> openai.OpenAI:

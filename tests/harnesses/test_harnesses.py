@@ -95,6 +95,7 @@ def test_chat_loop_appends_history_and_scores_a_search(guess_task: dict[str, Any
 
 
 @pytest.mark.parametrize("name", ["chat-loop", "compacting-agent", "subagent", "anthropic-agent", "tool-agent"])
+@pytest.mark.slow
 def test_garbage_model_ends_cleanly_with_zero_reward(name: str, guess_task: dict[str, Any], tmp_path: Path) -> None:
     with ScriptedUpstream(default=say(GARBAGE)) as up:
         run = run_harness(name, guess_task, up, tmp_path)
@@ -152,6 +153,7 @@ def test_tool_agent_guesses_through_the_guess_tool(guess_task: dict[str, Any], t
     assert run.reward == pytest.approx(expected(guess_task, [str(wrong), str(target)]))
 
 
+@pytest.mark.slow
 def test_anthropic_agent_plays_guess_over_messages(guess_task: dict[str, Any], tmp_path: Path) -> None:
     target = guess_task["data"]["target"]
     wrong = 1 if target != 1 else 2
@@ -165,6 +167,7 @@ def test_anthropic_agent_plays_guess_over_messages(guess_task: dict[str, Any], t
     assert run.info["n_leading"] == 1  # the hit was buried: BURIED_FACTOR
 
 
+@pytest.mark.slow
 def test_sampling_from_the_task_reaches_the_model(guess_task: dict[str, Any], tmp_path: Path) -> None:
     task = {**guess_task, "sampling": {"temperature": 0, "max_tokens": 5}}
     for name in ("chat-loop", "anthropic-agent"):
@@ -178,6 +181,7 @@ def test_sampling_from_the_task_reaches_the_model(guess_task: dict[str, Any], tm
 
 
 @pytest.mark.parametrize("name", ["tool-agent", "anthropic-agent"])
+@pytest.mark.slow
 def test_calc_perfect_model_sends_a_tool_result(name: str, calc_task: dict[str, Any], tmp_path: Path) -> None:
     d = calc_task["data"]
     script = [tool_call("calculator", {"expression": d["expression"]}), say(f"The answer is {d['answer']}.")]
@@ -197,6 +201,7 @@ def test_calc_perfect_model_sends_a_tool_result(name: str, calc_task: dict[str, 
 
 
 @pytest.mark.parametrize("name", ["tool-agent", "anthropic-agent"])
+@pytest.mark.slow
 def test_calc_garbage_tool_calls_end_cleanly(name: str, calc_task: dict[str, Any], tmp_path: Path) -> None:
     with ScriptedUpstream(default=tool_call("calculator", {"expression": "__import__('os')"})) as up:
         run = run_harness(name, calc_task, up, tmp_path)
@@ -228,6 +233,7 @@ def test_tool_agent_fixes_a_file_and_the_check_passes(tmp_path: Path) -> None:
 
 
 @pytest.mark.sandbox
+@pytest.mark.slow
 def test_tool_agent_cannot_write_outside_the_work_dir(tmp_path: Path) -> None:
     task = get_task_set("fixit").generate(1, seed=0)[0]
     with ScriptedUpstream([tool_call("write_file", {"path": "../escape.py", "content": "x"}), say("done")]) as up:
@@ -242,6 +248,7 @@ def test_tool_agent_cannot_write_outside_the_work_dir(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_api_error_exits_1_with_the_error_recorded(name: str, guess_task: dict[str, Any], tmp_path: Path) -> None:
     with ScriptedUpstream(error_status=500) as up:
         run = run_harness(name, guess_task, up, tmp_path)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from clawpipe.cli import app
@@ -66,6 +67,7 @@ def test_land_then_query_in_every_format(home: Path, tmp_path: Path) -> None:
     assert "calls_tokens_per_rollout  [$iteration, $run_id]" in listing.output
 
 
+@pytest.mark.slow
 def test_sql_errors_exit_non_zero_with_duckdbs_message(home: Path) -> None:
     _populate(home)
     env = {**os.environ, "CLAWPIPE_HOME": str(home)}

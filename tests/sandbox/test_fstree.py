@@ -55,6 +55,7 @@ def open_fds(under: Path | None = None) -> int:
     return n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [1500, pytest.param(10000, marks=pytest.mark.slow)])
 def test_walk_copy_scrub_and_remove_at_any_depth(tmp_path: Path, depth: int) -> None:
     work = tmp_path / "work"

@@ -119,6 +119,7 @@ def _a_home_entry() -> str:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
 def test_isolation_from_inside(backend: str, tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, home: Path) -> None:
     from clawpipe.config import get_settings
 
@@ -278,6 +279,7 @@ def _procs_with(marker: str) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
 def test_limits_fork_bomb_oom_and_timeout_kill_the_tree(
     backend: str, tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
 ) -> None:
