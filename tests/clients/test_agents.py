@@ -6,27 +6,39 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import agents
 import openai
 import pytest
 
 from tests.clients.conftest import FINAL_TEXT, MODEL, OPENAI_ROUTES, TOOL_RESULT, USER, Route
 
+if TYPE_CHECKING:
+    import agents as agents_sdk
+
 pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
-agents.set_tracing_disabled(True)  # no trace export to a hosted service
+
+def _sdk() -> ModuleType:
+    """The Agents SDK, imported on first use: its import takes seconds that the collection of every run would
+    pay otherwise."""
+    import agents
+
+    agents.set_tracing_disabled(True)  # no trace export to a hosted service
+    return agents
 
 
-def _guesser(client: openai.AsyncOpenAI, api: str, calls: list[int]) -> agents.Agent:
+def _guesser(client: openai.AsyncOpenAI, api: str, calls: list[int]) -> agents_sdk.Agent:
+    agents = _sdk()
+
     @agents.function_tool
     def guess(number: int) -> str:
         """Guess the number."""
         calls.append(number)
         return TOOL_RESULT
 
-    model: agents.Model
+    model: agents_sdk.Model
     if api == "responses":
         model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client)
     else:
@@ -39,6 +51,7 @@ def _guesser(client: openai.AsyncOpenAI, api: str, calls: list[int]) -> agents.A
 async def _run(route: Route, api: str, stream: bool, calls: list[int]) -> Any:
     async with openai.AsyncOpenAI(base_url=route.openai_base(), api_key=route.openai_key(), max_retries=0) as client:
         agent = _guesser(client, api, calls)
+        agents = _sdk()
         if not stream:
             return await agents.Runner.run(agent, USER, max_turns=4)
         result = agents.Runner.run_streamed(agent, USER, max_turns=4)
@@ -67,6 +80,7 @@ def test_agents_sdk_chains_responses_by_previous_response_id(route: Route) -> No
     """With auto_previous_response_id the SDK sends turn two as the tool result plus the first response's id;
     the engine expands it, so the model sees the whole conversation (and the capture holds the whole prompt)."""
     calls: list[int] = []
+    agents = _sdk()
 
     async def run() -> Any:
         async with openai.AsyncOpenAI(
@@ -91,6 +105,7 @@ def test_agents_sdk_chains_responses_by_previous_response_id(route: Route) -> No
 def test_agents_sdk_fails_an_answer_cut_by_max_tokens(route: Route, stream: bool) -> None:
     """A Responses answer cut by max_output_tokens is `incomplete` (streamed: ends with response.incomplete),
     which the SDK raises instead of taking the truncated text as the final output."""
+    agents = _sdk()
 
     async def run() -> None:
         async with openai.AsyncOpenAI(

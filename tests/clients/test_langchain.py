@@ -4,13 +4,9 @@ engine and through the proxy."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from langchain_anthropic import ChatAnthropic
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
-from langchain_openai import ChatOpenAI
 
 from tests.clients.conftest import (
     ANTHROPIC_ROUTES,
@@ -23,6 +19,11 @@ from tests.clients.conftest import (
     USER,
     Route,
 )
+
+# LangChain is imported where it is used: its import takes seconds that the collection of every run would pay.
+if TYPE_CHECKING:
+    from langchain_core.language_models import BaseChatModel
+    from langchain_core.messages import AIMessage, BaseMessage
 
 pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
@@ -38,6 +39,8 @@ def _turn(model: Any, messages: list[BaseMessage], stream: bool) -> AIMessage:
 
 
 def _round_trip(chat: BaseChatModel, tool: dict[str, Any], stream: bool) -> AIMessage:
+    from langchain_core.messages import HumanMessage, ToolMessage
+
     model = chat.bind_tools([tool])
     messages: list[BaseMessage] = [HumanMessage(USER)]
     first = _turn(model, messages, stream)
@@ -53,6 +56,8 @@ def _round_trip(chat: BaseChatModel, tool: dict[str, Any], stream: bool) -> AIMe
 @pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_langchain_openai_tool_round_trip(route: Route, stream: bool, api: str) -> None:
+    from langchain_openai import ChatOpenAI
+
     chat = ChatOpenAI(
         model=MODEL,
         base_url=route.openai_base(),
@@ -70,6 +75,8 @@ def test_langchain_openai_tool_round_trip(route: Route, stream: bool, api: str) 
 @pytest.mark.parametrize("route", ANTHROPIC_ROUTES, indirect=True)
 @pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
 def test_langchain_anthropic_tool_round_trip(route: Route, stream: bool) -> None:
+    from langchain_anthropic import ChatAnthropic
+
     chat = ChatAnthropic(
         model=MODEL,
         base_url=route.anthropic_base(),
@@ -89,6 +96,9 @@ def test_langchain_anthropic_tool_round_trip(route: Route, stream: bool) -> None
 def test_langchain_anthropic_counts_tokens(route: Route) -> None:
     """LangChain's token counting (the Messages count_tokens endpoint, with tools) agrees with the prompt the
     engine then runs; through the proxy it is captured as count_tokens without ids, beside the ids of the call."""
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.messages import HumanMessage
+
     chat = ChatAnthropic(
         model=MODEL,
         base_url=route.anthropic_base(),

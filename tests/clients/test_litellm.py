@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import litellm
 import pytest
 
 from tests.clients.conftest import (
@@ -27,6 +26,8 @@ pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
 def _completion(stream: bool, messages: list[dict[str, Any]], **kw: Any) -> Any:
     """One litellm.completion call as its (non-streamed) response; a stream is rebuilt from its chunks."""
+    import litellm  # here, not at the top: its import takes seconds that the collection of every run would pay
+
     kw.update(messages=messages, tools=[CHAT_TOOL], temperature=0, max_tokens=64, num_retries=0)
     if not stream:
         return litellm.completion(**kw)
@@ -70,6 +71,8 @@ def test_litellm_anthropic_messages_tool_round_trip(route: Route, stream: bool) 
 def registered_model() -> None:
     """litellm fakes a Responses stream (one non-streamed call) for a model missing from its price list; the
     served name registered with native streaming makes it stream for real."""
+    import litellm
+
     litellm.register_model(
         {f"openai/{MODEL}": {"litellm_provider": "openai", "mode": "responses", "supports_native_streaming": True}}
     )
@@ -78,6 +81,8 @@ def registered_model() -> None:
 @pytest.mark.parametrize("route", OPENAI_ROUTES, indirect=True)
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_litellm_responses_tool_round_trip(route: Route, stream: bool, registered_model: None) -> None:
+    import litellm
+
     ask: dict[str, Any] = {
         "model": f"openai/{MODEL}",
         "api_base": route.openai_base(),
@@ -111,6 +116,8 @@ def test_litellm_responses_tool_round_trip(route: Route, stream: bool, registere
 def test_litellm_maps_unknown_model_names_to_not_found(route: Route) -> None:
     """An unserved model name is a 404 in each API's error shape, which litellm maps to its NotFoundError for
     both providers, with the engine's message naming the served names; the proxy captures both calls."""
+    import litellm
+
     ask: dict[str, Any] = {"messages": [{"role": "user", "content": USER}], "max_tokens": 4, "num_retries": 0}
     with pytest.raises(litellm.NotFoundError, match=f"does not exist: this server serves {MODEL}"):
         litellm.completion(model="openai/gpt-4o", api_base=route.openai_base(), api_key=route.openai_key(), **ask)
