@@ -31,6 +31,7 @@ def _proxy_that_dies() -> str:
     return f"http://127.0.0.1:{listener.getsockname()[1]}"
 
 
+@pytest.mark.slow
 def test_infra_errors_raise_until_the_last_attempt_and_retries_rerun_only_them(home: Path) -> None:
     cfg = load_config(groups=1, samples=2, backend="bwrap", rollout_timeout_s=20)
     cfg = cfg.model_copy(update={"harnesses": cfg.harnesses[:1]})

@@ -29,6 +29,7 @@ def test_serve_vllm_dry_run_prints_the_command() -> None:
     assert "--port 9001" in result.output and "--tool-call-parser hermes" in result.output
 
 
+@pytest.mark.slow
 def test_serve_subprocess_answers_and_stops(policy_dir: Path) -> None:
     handle = start_server_process(policy_dir, served_name="sub", max_model_len=2048, admin_token="t")
     try:
