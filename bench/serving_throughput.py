@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import psutil
 
+from clawpipe.serving.load import drive_chat
 from clawpipe.serving.policy import init_policy
 from clawpipe.serving.server import ServerHandle, start_server_process
 
@@ -30,33 +31,7 @@ MAX_TOKENS = 64
 
 async def _drive(url: str, clients: int, seconds: float, max_tokens: int = MAX_TOKENS) -> dict[str, float]:
     """`clients` concurrent loops of chat requests for `seconds`; returns req/s and generated tok/s."""
-    done = tokens = 0
-    stop_at = time.monotonic() + seconds
-
-    async def loop(i: int, client: httpx.AsyncClient) -> None:
-        nonlocal done, tokens
-        k = 0
-        while time.monotonic() < stop_at:
-            r = await client.post(
-                f"{url}/v1/chat/completions",
-                json={
-                    "messages": [{"role": "user", "content": f"Guess a number, try {k}."}],
-                    "max_tokens": max_tokens,
-                    "temperature": 1.0,
-                    "seed": i * 100_000 + k,
-                },
-            )
-            r.raise_for_status()
-            done += 1
-            tokens += r.json()["usage"]["completion_tokens"]
-            k += 1
-
-    t0 = time.monotonic()
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        await asyncio.gather(*[loop(i, client) for i in range(clients)])
-    elapsed = time.monotonic() - t0
-    return {"req_s": round(done / elapsed, 2), "tok_s": round(tokens / elapsed, 1), "requests": done}
+    return await drive_chat(url, clients, seconds, max_tokens=max_tokens, timeout=120)
 
 
 async def _count(url: str, n: int, clients: int = 16) -> None:

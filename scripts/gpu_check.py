@@ -28,7 +28,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -164,32 +163,9 @@ def training(shape: dict[str, Any], sizes: dict[str, Any], device: str) -> dict[
 
 
 async def drive(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, float]:
-    done = tokens = 0
-    stop_at = time.monotonic() + seconds
+    from clawpipe.serving.load import drive_chat
 
-    async def loop(i: int, client: httpx.AsyncClient) -> None:
-        nonlocal done, tokens
-        k = 0
-        while time.monotonic() < stop_at:
-            r = await client.post(
-                f"{url}/v1/chat/completions",
-                json={
-                    "messages": [{"role": "user", "content": f"Count to ten, take {k}."}],
-                    "max_tokens": max_tokens,
-                    "temperature": 1.0,
-                    "seed": i * 100_000 + k,
-                },
-            )
-            r.raise_for_status()
-            done += 1
-            tokens += r.json()["usage"]["completion_tokens"]
-            k += 1
-
-    t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients + 4)) as client:
-        await asyncio.gather(*[loop(i, client) for i in range(clients)])
-    elapsed = time.monotonic() - t0
-    return {"req_s": round(done / elapsed, 2), "tok_s": round(tokens / elapsed, 1), "requests": done}
+    return await drive_chat(url, clients, seconds, max_tokens=max_tokens)
 
 
 def engine(shape: dict[str, Any], sizes: dict[str, Any], device: str) -> dict[str, Any]:
