@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import textwrap
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 class Upstream:
@@ -128,3 +129,27 @@ reply = json.loads(urllib.request.urlopen(req, timeout=10).read())
 out = os.path.join(os.environ["CLAWPIPE_OUTPUT"], "answer.txt")
 open(out, "w").write(reply["choices"][0]["message"]["content"])
 """
+
+
+class Sampler:
+    """Calls :meth:`sample` every 20 ms in a background thread while the ``with`` block runs."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(0.02)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

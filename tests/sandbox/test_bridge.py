@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from clawpipe.errors import ConfigError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.bridge import Bridge, listen_on_host
 from clawpipe.sandbox.limits import connection_cap
-from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
+from tests.sandbox.support import EchoTaskSet, Sampler, Upstream, make_harness
 
 SECRET = b"bridge-test-secret"
 
@@ -124,26 +123,15 @@ print(ok)
 """
 
 
-class FdSampler:
+class FdSampler(Sampler):
     """The highest number of descriptors this process (runner, bridge and upstream) held while running."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, len(os.listdir("/proc/self/fd")))
-            time.sleep(0.02)
-
-    def __enter__(self) -> FdSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        self.peak = max(self.peak, len(os.listdir("/proc/self/fd")))
 
 
 @pytest.mark.sandbox

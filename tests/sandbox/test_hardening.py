@@ -18,7 +18,7 @@ from clawpipe.keys import mint_key
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.backends.bwrap import join_fresh_session_keyring
 from clawpipe.sandbox.seccomp import ARCHES, SYSCALLS, build_filter
-from tests.sandbox.support import URLLIB_HARNESS, EchoTaskSet, Upstream, make_harness
+from tests.sandbox.support import URLLIB_HARNESS, EchoTaskSet, Sampler, Upstream, make_harness
 
 SECRET = b"hardening-secret"
 
@@ -65,31 +65,20 @@ time.sleep(1.0)  # stay alive while the host looks at its process list
 """
 
 
-class HostPs:
+class HostPs(Sampler):
     """Every command line on the host while it runs (what `ps` shows), sampled every 20 ms."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.seen: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for d in Path("/proc").iterdir():
-                if d.name.isdigit():
-                    try:
-                        self.seen.add((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-                    except OSError:
-                        pass
-            time.sleep(0.02)
-
-    def __enter__(self) -> HostPs:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    self.seen.add((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+                except OSError:
+                    pass
 
 
 @pytest.mark.sandbox
