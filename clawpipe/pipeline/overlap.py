@@ -85,7 +85,7 @@ def call_ages(settings: Settings, run_id: str, iteration: int, policy_version: i
     from clawpipe.sqlfiles import sql_text
     from clawpipe.tables import connect
 
-    con = connect(settings.lake_dir, tables=("model_calls",))
+    con = connect(settings.lake_dir, tables=("model_calls", "rollouts"))
     try:
         rows = con.sql(
             sql_text("pipeline/call_ages"), params={"run_id": run_id, "iteration": int(iteration)}

@@ -82,15 +82,26 @@ def load_trees(
             float("nan") if reward is None else float(reward),
         )
     stats["rollouts_skipped_status"] = len(skipped_rollouts)
+    if calls.num_rows and rolls.num_rows == 0:
+        raise TrainingError(
+            f"run {run_id} iteration {iteration} has calls but no rows in rollouts: land its results first "
+            f"(`clawpipe lake land`) so every call has its rollout's reward"
+        )
 
     links: dict[str, list[dict]] = defaultdict(list)
     stats["side_calls_excluded"] = 0
     stats["calls_stale_dropped"] = 0
+    stats["calls_without_rollout"] = 0
+    orphans: set[str] = set()
     for c in calls.to_pylist():
         if side and (c["call_id"], int(c["choice_index"] or 0)) in side:
             stats["side_calls_excluded"] += 1
         elif c["rollout_id"] in skipped_rollouts:
             stats["calls_skipped_status"] += 1
+        elif c["rollout_id"] not in infos:
+            # a rollout cut off before its result (a killed run reruns it under a new id): no reward
+            stats["calls_without_rollout"] += 1
+            orphans.add(c["rollout_id"])
         elif (c["policy_version"] or 0) < config.min_policy_version:
             stats["calls_stale_dropped"] += 1
         elif not _logprobs_ok(c):
@@ -113,6 +124,12 @@ def load_trees(
         else:
             stats["trees_without_sequences"] += 1
     stats["trees_loaded"] = len(trees)
+    if orphans:
+        log.warning(
+            "run %s iteration %d: %d calls of %d rollouts without a result row left out of training "
+            "(cut off before they finished; first: %s)",
+            run_id, iteration, int(stats["calls_without_rollout"]), len(orphans), min(orphans),
+        )  # fmt: skip
     return trees, infos, dict(stats)
 
 

@@ -69,10 +69,12 @@ def _assert_exactly_once(q: Any) -> None:
 
 
 def _stale_in_lake(q: Any, iteration: int, oldest: int) -> int:
-    """Trainable calls of the iteration sampled by a policy_version below ``oldest``."""
+    """Trainable calls of the iteration sampled by a policy_version below ``oldest`` (calls of a rollout cut
+    off by the kill have no result row and are never trained)."""
     return q(
-        f"select count(*) from model_calls where run_id=$r and iteration={iteration} and status='ok' "
-        f"and len(completion_token_ids) > 0 and policy_version < {oldest}"
+        f"select count(*) from model_calls c where run_id=$r and iteration={iteration} and status='ok' "
+        f"and len(completion_token_ids) > 0 and policy_version < {oldest} and exists (select 1 from rollouts r "
+        "where r.run_id=$r and r.rollout_id=c.rollout_id and not r.eval)"
     )[0][0]
 
 

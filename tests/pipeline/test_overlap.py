@@ -112,3 +112,33 @@ def test_take_batch_waits_for_landing_and_rejects_short_groups(tmp_path: Path, m
     write([("g1.0", "g1"), ("g1.1", "g1"), ("g2.0", "g2"), ("g2.1", "g2")])
     rows = ov.take_batch(shared, settings, "r", 0)
     assert rows is not None and sorted(r["rollout_id"] for r in rows) == ["g1.0", "g1.1", "g2.0", "g2.1"]
+
+
+def test_call_ages_count_only_calls_of_rollouts_with_a_result(tmp_path: Path, monkeypatch) -> None:
+    import pyarrow as pa
+
+    from clawpipe import tables
+    from clawpipe.config import Settings
+    from clawpipe.schemas import MODEL_CALLS, ROLLOUTS
+
+    monkeypatch.setenv("CLAWPIPE_HOME", str(tmp_path))
+    settings = Settings()
+    rollouts = [("g1.0", False), ("g1.1", False), ("eval.greedy.t1", True)]
+    tables.replace_partition(
+        settings.lake_dir, "rollouts", "r", 0,
+        pa.Table.from_pylist(
+            [dict(rollout_id=rid, run_id="r", iteration=0, status="succeeded", reward=1.0, eval=ev)
+             for rid, ev in rollouts],
+            schema=ROLLOUTS,
+        ),
+    )  # fmt: skip
+    # (rollout, policy_version, calls): "g1.2" was cut off by a kill and has no result row
+    calls = [("g1.0", 0, 2), ("g1.1", 1, 3), ("eval.greedy.t1", 1, 1), ("g1.2", 0, 4)]
+    rows = [
+        dict(call_id=f"{rid}-{k}", choice_index=0, run_id="r", iteration=0, rollout_id=rid, status="ok",
+             policy_version=v, prompt_token_ids=[1, 2], completion_token_ids=[3])
+        for rid, v, n in calls for k in range(n)
+    ]  # fmt: skip
+    rows.append(dict(rows[0], call_id="empty", completion_token_ids=[]))  # nothing sampled: not trainable
+    tables.replace_partition(settings.lake_dir, "model_calls", "r", 0, pa.Table.from_pylist(rows, schema=MODEL_CALLS))
+    assert ov.call_ages(settings, "r", 0, policy_version=1) == {1: 2, 0: 3}

@@ -66,6 +66,8 @@ def write_lake(
         harness[rid] = info.harness
     roll_rows.append(dict(roll_rows[0], rollout_id="infra", status="infra_error", reward=None))
     tables.replace_partition(lake, "rollouts", RUN, iteration, pa.Table.from_pylist(roll_rows, schema=ROLLOUTS))
+    # a rollout cut off before its result row (a killed run reruns it under a new id): its call has a tree
+    call_rows.append(dict(call_rows[0], call_id="cut", rollout_id="cut-off"))
     tables.replace_partition(lake, "model_calls", RUN, iteration, pa.Table.from_pylist(call_rows, schema=MODEL_CALLS))
     if with_trees:
         build_iteration(lake, RUN, iteration)
@@ -79,7 +81,7 @@ def write_lake(
 
 def call_rows_in_trees(lake: Path) -> list:
     con = tables.connect(lake)
-    return con.sql("select call_id from model_calls where call_id not in ('retok', 'stray')").fetchall()
+    return con.sql("select call_id from model_calls where call_id not in ('retok', 'stray', 'cut')").fetchall()
 
 
 class Recorder:
@@ -104,8 +106,9 @@ def test_train_step_checkpoint_and_resume(home, tmp_path, policy_dir):
     for f in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "trainer_state.json"):
         assert (result.checkpoint_dir / f).is_file(), f
     assert read_policy_version(result.checkpoint_dir) == 1
-    # loading: both stray calls counted, not trained; infra_error rollout skipped by status
+    # loading: the stray calls and the cut-off rollout's call counted, not trained; infra_error skipped by status
     assert m["load/calls_not_in_tree"] == 1 and m["load/rollouts_skipped_status"] == 1
+    assert m["load/calls_without_rollout"] == 1
     assert m["load/calls"] == m["sequences"] == len(call_rows_in_trees(lake))
     # captured logprobs came from this very policy: the mismatch detector reads ~0
     assert m["logprob/max_abs_diff_current"] < 1e-4
@@ -163,6 +166,9 @@ def test_bad_inputs(home, tmp_path, policy_dir):
         train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=cfg)
     write_lake(lake, policy_dir, nan_reward="g1r2")
     with pytest.raises(TrainingError, match="g1r2"):
+        train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=cfg)
+    tables.replace_partition(lake, "rollouts", RUN, 0, ROLLOUTS.empty_table())
+    with pytest.raises(TrainingError, match=r"no rows in rollouts: land its results first"):
         train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=cfg)
 
 
