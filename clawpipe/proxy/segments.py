@@ -13,7 +13,9 @@ frame after the last intact one) is cut (:func:`clawpipe.capture.recover_segment
 crash loses nothing that was committed; damaged frames before that stay for landing to report as rejects.
 
 When ``CLAWPIPE_LAKE_URI`` names an object store, an :class:`~clawpipe.proxy.upload.Uploader` runs beside
-the writer and copies each sealed segment (and the host's result files) to the lake's capture prefix.
+the writer and copies each sealed segment (and the host's result files) to the lake's capture prefix;
+:meth:`SegmentWriter.seal_now` lets it seal the open segment on request (a flush, see upload.py), so a
+finished rollout shard's calls are in the store before the shard reports done.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class SegmentWriter:
         self.max_age_s = max_age_s
         self.fsync = fsync
         self._cond = threading.Condition()
-        self._pending: list[tuple[dict[str, Any], bytes, bytes, Done]] = []
+        self._pending: list[tuple[capture.CaptureHeader, bytes, bytes, Done]] = []
+        self._seal_requests: list[threading.Event] = []
         self._closing = False
         self._thread: threading.Thread | None = None
         self._fd = -1
@@ -136,7 +139,7 @@ class SegmentWriter:
         self._thread = threading.Thread(target=self._run, name=f"capture-{self.instance}", daemon=True)
         self._thread.start()
         if self.upload_url:
-            self.uploader = Uploader(self.directory, self.upload_url)
+            self.uploader = Uploader(self.directory, self.upload_url, seal=self.seal_now)
             self.uploader.start()  # its first pass uploads what recovery just sealed
 
     def close(self) -> None:
@@ -151,12 +154,26 @@ class SegmentWriter:
             self.uploader.close()  # one last pass: the segment sealed just now goes up before exit
             self.uploader = None
 
+    def seal_now(self, timeout_s: float = 30.0) -> bool:
+        """Seal the open segment (after committing what is pending) and open a fresh one; returns once done.
+
+        Every record whose callback has fired is in a sealed segment afterwards. False if the writer is
+        closing or did not answer within ``timeout_s``.
+        """
+        done = threading.Event()
+        with self._cond:
+            if self._closing or self._thread is None:
+                return False
+            self._seal_requests.append(done)
+            self._cond.notify()
+        return done.wait(timeout_s)
+
     @property
     def current_segment(self) -> str | None:
         return self._path.name if self._path else None
 
     # --- loop side -----------------------------------------------------------------------------------
-    def submit(self, header: dict[str, Any], request: bytes, response: bytes, done: Done) -> None:
+    def submit(self, header: capture.CaptureHeader, request: bytes, response: bytes, done: Done) -> None:
         """Queue one record; ``done(None)`` runs on the event loop once it is durable (``done(exc)`` on failure)."""
         with self._cond:
             if self._closing:
@@ -196,7 +213,7 @@ class SegmentWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
+                while not self._pending and not self._closing and not self._seal_requests:
                     timeout = None
                     if self._size and self.max_age_s > 0:
                         timeout = max(0.05, self._opened_at + self.max_age_s - time.monotonic())
@@ -204,8 +221,13 @@ class SegmentWriter:
                         break  # age rotation check below
                 batch, self._pending = self._pending, []
                 closing = self._closing
+                seal_requests, self._seal_requests = self._seal_requests, []
             if batch:
                 self._commit(batch)
+            if seal_requests and self._size:
+                self._rotate()
+            for done in seal_requests:
+                done.set()
             if self._size and (
                 self._size >= self.max_bytes
                 or (self.max_age_s > 0 and time.monotonic() - self._opened_at >= self.max_age_s)
@@ -214,6 +236,10 @@ class SegmentWriter:
             if closing and not self._pending:
                 with contextlib.suppress(OSError):
                     self._seal_current()
+                with self._cond:  # a seal asked for while closing: the close just sealed everything
+                    for done in self._seal_requests:
+                        done.set()
+                    self._seal_requests.clear()
                 return
 
     def _rotate(self) -> None:
@@ -224,7 +250,7 @@ class SegmentWriter:
             log.error("segment rotation failed dir=%s error=%s", self.directory, exc)
             self.failed = exc
 
-    def _commit(self, batch: list[tuple[dict[str, Any], bytes, bytes, Done]]) -> None:
+    def _commit(self, batch: list[tuple[capture.CaptureHeader, bytes, bytes, Done]]) -> None:
         error: BaseException | None = self.failed
         if error is None:
             try:

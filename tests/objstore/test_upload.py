@@ -105,3 +105,39 @@ def test_two_hosts_upload_to_one_bucket_and_land_once(s3_bucket: str, tmp_path: 
     assert (rep.calls, rep.rollouts, rep.rejects, again.calls) == (2 * calls, 4, 0, 0)
     r = run_sql(lake, "select count(*) n, count(distinct call_id) d, count(distinct rollout_id) ro from model_calls")
     assert r.to_pylist()[0] == {"n": 2 * calls, "d": 2 * calls, "ro": 4}
+
+
+def test_a_flush_request_seals_the_open_segment_and_uploads_it(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clawpipe.proxy.upload import request_flush
+
+    monkeypatch.setenv("CLAWPIPE_LAKE_URI", f"{s3_bucket}/lake")
+    cap = tmp_path / "cap"
+    assert request_flush(cap) is None  # no uploader alive here: nobody to ask
+    writer = SegmentWriter(cap, instance="p", max_age_s=3600)  # would not seal by itself for an hour
+    writer.start(lambda fn, arg: fn(arg))
+    try:
+        for i in range(3):
+            durable = threading.Event()
+            h = fx.header(call_id=f"f{i}", rollout_id="r0", seq=i)
+            writer.submit(
+                h, fx.request_body("chat", False), fx.response_body("chat", False), lambda e, d=durable: d.set()
+            )
+            assert durable.wait(10)
+        results = fx.write_results(cap, [fx.rollout_row("r0")])
+        url = objstore.captures_url(f"{s3_bucket}/lake")
+        fs, root = objstore.filesystem(url)
+        host = objstore.host_id(cap)
+        assert not fs.exists(f"{root}/{host}") and not list(cap.glob("*.seg"))  # still open, nothing sent
+        report = request_flush(cap, timeout_s=30)
+        assert report is not None and report["ok"] and report["pending"] == []
+        (seg,) = cap.glob("*.seg")
+        assert fs.cat_file(f"{root}/{host}/{seg.name}") == seg.read_bytes()
+        assert fs.cat_file(f"{root}/results/{host}/{results.relative_to(cap / 'results')}") == results.read_bytes()
+        assert not list((cap / "flush").glob("*.request")) and not list((cap / "flush").glob("*.done"))
+    finally:
+        writer.close()
+    assert request_flush(cap) is None  # the closed writer's uploader took its marker away
+    rep = land(objstore.captures_url(f"{s3_bucket}/lake"), f"{s3_bucket}/lake")
+    assert (rep.calls, rep.rejects) == (3, 0)
