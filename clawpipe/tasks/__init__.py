@@ -17,10 +17,12 @@ A verifier that must run work-dir code declares ``needs_sandbox = True`` and pro
 the plain JSON it wrote. Whatever a harness writes must never earn more than an honest attempt: the suite in
 tests/tasks/forgery.py runs crafted outputs against every registered task set.
 
-Built-in sets: ``guess`` (multi-turn guess-a-number), ``calc`` (arithmetic with a calculator tool) and
-``fixit`` (make a small program's check pass). Each module's docstring states its transcript contract: what
-one turn is (one model call), which fields the verifier reads (``answer`` vs ``reply`` in guess, ``final``
-and the calculator calls in calc, no transcript at all in fixit) and what it ignores.
+Built-in sets: ``guess`` (multi-turn guess-a-number), ``calc`` (arithmetic with a calculator tool),
+``fixit`` (make a small program's check pass) and ``say`` (reply with a phrase; graded, for harnesses whose
+only trace is their final reply, such as the agent CLIs). Each module's docstring states its transcript
+contract: what one turn is (one model call), which fields the verifier reads (``answer`` vs ``reply`` in
+guess, ``final`` and the calculator calls in calc, ``final`` alone in say, no transcript at all in fixit)
+and what it ignores.
 
 Register your own with :func:`register_task_set`, or name one as ``"package.module:attribute"`` and
 :func:`get_task_set` imports it.
@@ -83,8 +85,9 @@ def _builtins() -> dict[str, TaskSet]:
     from clawpipe.tasks.calc import CalcTaskSet
     from clawpipe.tasks.fixit import FixitTaskSet
     from clawpipe.tasks.guess import GuessTaskSet
+    from clawpipe.tasks.say import SayTaskSet
 
-    return {ts.name: ts for ts in (GuessTaskSet(), CalcTaskSet(), FixitTaskSet())}
+    return {ts.name: ts for ts in (GuessTaskSet(), CalcTaskSet(), FixitTaskSet(), SayTaskSet())}
 
 
 def register_task_set(task_set: TaskSet) -> None:
