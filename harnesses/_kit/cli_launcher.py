@@ -11,7 +11,8 @@ resolved against the harness dir). It:
 3. starts the CLI headless (cli.toml's ``entry`` under the Node folder; ``.js`` entries run with node) with
    its ``args`` and the args of the selected mode (``[modes.<m>]``; m = ``$CLAWPIPE_CLI_MODE``, default
    harness.toml's ``[env] CLAWPIPE_CLI_MODE``), stdin closed, stdout copied to
-   ``$CLAWPIPE_OUTPUT/<stdout_file>``;
+   ``$CLAWPIPE_OUTPUT/<stdout_file>``; once it exits, its final reply (cli.toml's ``[reply]``: ``field`` of
+   the last JSON object matching ``select``) is written as ``final`` of ``$CLAWPIPE_OUTPUT/transcript.json``;
 4. honours the outer timeout (``$CLAWPIPE_TIMEOUT_S`` or the manifest's ``timeout_s``): at the deadline,
    on SIGTERM/SIGINT/SIGHUP, and after the CLI exits, every process of the CLI's session is killed
    (SIGTERM, then SIGKILL after 2 s; the CLI also gets SIGKILL if the launcher dies). Exit status: the
@@ -210,6 +211,65 @@ def copy_stdout(src: Any, dst_path: Path) -> None:
             sys.stdout.buffer.flush()
 
 
+MAX_STDOUT_BYTES = 16 * 1024 * 1024  # a result larger than this is not searched for the reply
+MAX_REPLY_CHARS = 64 * 1024
+
+
+def json_objects(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of a CLI's stdout: one document (an object, or a list of them) or JSON lines."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        objects = []
+        for line in text.splitlines():
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue  # a CLI may print a banner or a progress line between its JSON lines
+            objects.append(value)
+    else:
+        objects = doc if isinstance(doc, list) else [doc]
+    return [o for o in objects if isinstance(o, dict)]
+
+
+def dig(obj: Any, path: str) -> Any:
+    """The value at a dotted key path (``item.text``), or None."""
+    for key in path.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def final_reply(stdout: str, reply: dict[str, Any]) -> str | None:
+    """cli.toml's [reply]: the ``field`` of the last JSON object whose ``select`` key paths hold the given
+    values (any object without ``select``); None when there is none or it is not a string."""
+    select = reply.get("select", {})
+    for obj in reversed(json_objects(stdout)):
+        if all(dig(obj, key) == value for key, value in select.items()):
+            text = dig(obj, reply["field"])
+            return text[:MAX_REPLY_CHARS] if isinstance(text, str) else None
+    return None
+
+
+def write_transcript(reply: dict[str, Any] | None, stdout_path: Path, output: Path) -> None:
+    """Write the CLI's final reply as ``final`` of ``out/transcript.json`` (what task sets scoring a reply
+    read); nothing when cli.toml has no [reply] or the reply cannot be found (the verifier then says so)."""
+    if not reply:
+        return
+    try:
+        if stdout_path.stat().st_size > MAX_STDOUT_BYTES:
+            raise ValueError(f"larger than {MAX_STDOUT_BYTES} bytes")
+        text = final_reply(stdout_path.read_text(errors="replace"), reply)
+    except (OSError, ValueError) as exc:
+        print(f"{LABEL[0]}: no final reply taken from {stdout_path.name}: {exc}", file=sys.stderr)
+        return
+    if text is None:
+        print(f"{LABEL[0]}: no final reply in {stdout_path.name} ([reply] {reply})", file=sys.stderr)
+        return
+    (output / "transcript.json").write_text(json.dumps({"final": text}))
+
+
 def main(harness_dir: str | Path) -> int:
     """Launch the CLI that the harness folder ``harness_dir`` describes; returns the exit status."""
     harness_dir = Path(harness_dir).resolve()
@@ -286,9 +346,8 @@ def main(harness_dir: str | Path) -> int:
         preexec_fn=die_with_parent,
     )
     sid = os.getpid() if own_session else proc.pid
-    copier = threading.Thread(
-        target=copy_stdout, args=(proc.stdout, output / cli.get("stdout_file", "cli.out")), daemon=True
-    )
+    stdout_path = output / cli.get("stdout_file", "cli.out")
+    copier = threading.Thread(target=copy_stdout, args=(proc.stdout, stdout_path), daemon=True)
     copier.start()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -305,4 +364,5 @@ def main(harness_dir: str | Path) -> int:
     kill_session(sid)
     proc.wait()
     copier.join(timeout=5)
+    write_transcript(cli.get("reply"), stdout_path, output)
     return code if code >= 0 else 128 - code

@@ -180,6 +180,8 @@ def test_cli_runs_the_tool_and_its_follow_up_extends_the_first_call(
     for rel in want["home_files"]:
         assert (workdir / "home" / rel).is_file(), rel
     assert (workdir / "out" / want["stdout_file"]).stat().st_size > 0
+    # ...and its final reply, taken from that result, as the transcript's ``final`` (what ``say`` scores).
+    assert json.loads((workdir / "out" / "transcript.json").read_text()) == {"final": "All done."}
     assert pids_in(workdir) == []
 
     # Same request shape as the recorded fixture (a new CLI version that changes it fails here).
