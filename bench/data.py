@@ -65,6 +65,7 @@ class Shape:
     tool_rate: float = 0.3
     error_rate: float = 0.01
     retokenized_rate: float = 0.03
+    context: int | None = None  # the model's context: a longer prompt is compacted (tree data only)
 
 
 def shape(name: str) -> Shape:

@@ -5,13 +5,16 @@ Run: ``.venv/bin/python bench/proxy_overhead.py [--rss-calls 100000] [--no-peer]
 In one run it measures the mock upstream alone, clawpipe's proxy (durable capture on: group-committed,
 fsynced segments) and, when it can be started, a peer's gateway (Agent Lightning 1.0.2 via
 ``$CLAWPIPE_SHARED_BENCH/peer_gateway.sh``, Python 3.12 in its own venv), each in front of the same
-vLLM-style mock upstream (``mock_upstream.py`` there) and driven by the same closed-loop load generator
+vLLM-style mock upstream (``bench/upstream.py``) and driven by the same closed-loop load generator
 (:func:`loadgen_child`, run as a child of this script). CPU per call is the proxy process tree's
 utime+stime (psutil) over the measured calls only, divided by their number: the load generator warms its
 connections up first and waits, so warm-up CPU is in neither the numerator nor the denominator. The proxy
-is pinned to core 1, upstream + load generator to core 0. Small call: 0.5 KB request / 7 KB response;
-large: 64 KB / 150 KB. Request-body rows: the proxy's CPU per MB of request body for bodies of 1 KB to
-24 MB, sent with Content-Length and chunked (64 KB chunks). The machine's load average is printed next to
+is pinned to core 1, upstream + load generator to core 0. Every call is its own production-shaped call
+from bench/data.py: the load generator sends each measured call its own request (multi-turn chats; small:
+p50 1.3 KB, large p50 62 KB) and the upstream answers with responses drawn from the same generator (small
+p50 8.3 KB, large 163 KB; ids, logprobs, texts and tool calls all varied, ~1% upstream 500s, counted as
+``non_200``). Request-body rows: the proxy's CPU per MB of request body for bodies of 1 KB to 24 MB, sent
+with Content-Length and chunked (64 KB chunks). The machine's load average is printed next to
 the figures (they mean little on a busy machine). The proxy defers parsing to landing, so the end-to-end
 figure is proxy + landing CPU per call (landing measured on bench/data.py calls of the same kind, in a
 child), against the peer's CPU per call. Prints human lines, then one JSON line.
@@ -82,19 +85,19 @@ def load() -> str:
     return f"{one:.2f}/{five:.2f}"
 
 
-def _chat_body(size: str) -> bytes:
-    """The request bodies of the load generator: small (~0.5 KB) or large (~64 KB, a long agent context)."""
-    if size == "small":
-        msgs = [
-            {"role": "system", "content": "You are a helpful agent."},
-            {"role": "user", "content": "Compute 2+2 and explain briefly. " * 10},
-        ]
-    else:
-        msgs = [{"role": "system", "content": "You are a coding agent. " * 200}]
-        for i in range(20):
-            msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": (f"observation line {i} ") * 150})
-    obj = {"model": "mock-model", "messages": msgs, "temperature": 0.3, "max_tokens": 512}
-    return json.dumps(obj).encode()
+def _requests(size: str, n: int, seed: int) -> list[bytes]:
+    """``n`` HTTP requests whose bodies are bench/data.py's ``size`` calls (multi-turn chats, each its own)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import data
+
+    out = []
+    for _, body, _ in data.calls(n, data.shape(size), seed=seed):
+        head = b"POST %b HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        out.append(head % (PATH_MARK, len(body)) + body)
+    return out
+
+
+PATH_MARK = b"{path}"
 
 
 async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: bytes) -> int:
@@ -120,21 +123,22 @@ async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: 
 
 def loadgen_child(path: str, port: int, conc: int, total: int, size: str, warm: int) -> None:
     """Closed-loop keep-alive load: ``conc`` connections warm up (``warm`` calls between them), then the
-    child prints ``warm`` and waits for a line on stdin before the ``total`` measured calls; prints JSON."""
-    body = _chat_body(size)
-    req = b"POST %b HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
-        path.encode(),
-        len(body),
-    )
-    req += body
+    child prints ``warm`` and waits for a line on stdin before the ``total`` measured calls; prints JSON.
+    Every call sends its own request from bench/data.py (drawn before the warm-up)."""
+    n_warm = max(1, warm // conc) * conc
+    reqs = [
+        r.replace(PATH_MARK, path.encode(), 1) for r in _requests(size, n_warm + total, seed=conc * 100_003 + total)
+    ]
     lat: list[float] = []
-    errors = [0]
+    non_200 = [0]
 
     async def main() -> float:
         conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(conc)]
+        k = 0
         for r, w in conns:
-            for _ in range(max(1, warm // conc)):
-                await _one(r, w, req)
+            for _ in range(n_warm // conc):
+                await _one(r, w, reqs[k])
+                k += 1
         print("warm", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         left = [total]
@@ -142,9 +146,10 @@ def loadgen_child(path: str, port: int, conc: int, total: int, size: str, warm: 
         async def worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             while left[0] > 0:
                 left[0] -= 1
+                req = reqs[n_warm + left[0]]
                 t = time.perf_counter()
-                if await _one(r, w, req) != 200:
-                    errors[0] += 1
+                if await _one(r, w, req) != 200:  # bench/data.py draws ~1% upstream 500s
+                    non_200[0] += 1
                 lat.append((time.perf_counter() - t) * 1000)
             w.close()
 
@@ -159,7 +164,7 @@ def loadgen_child(path: str, port: int, conc: int, total: int, size: str, warm: 
         "median_ms": round(statistics.median(s), 3),
         "p99_ms": round(s[max(0, int(0.99 * len(s)) - 1)], 3),
         "calls_per_s": round(len(s) / elapsed, 1),
-        "errors": errors[0],
+        "non_200": non_200[0],
     }
     print(json.dumps(out), flush=True)
 
@@ -198,7 +203,7 @@ def measure(name: str, pid: int | None, path: str, port: int, core0: int | None)
             "median_ms": lg["median_ms"],
             "p99_ms": lg["p99_ms"],
             "calls_per_s": lg["calls_per_s"],
-            "errors": lg["errors"],
+            "non_200": lg["non_200"],
         }
         results[f"{size}_{conc}"] = row
         print(f"{name:9s} {size:5s} x{conc:<2d} {row} load {load()}", flush=True)
@@ -378,7 +383,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="clawpipe-bench-"))
     up_port = free_port()
     upstream = subprocess.Popen(
-        [*pin(core0), PY, str(SHARED / "mock_upstream.py"), str(up_port)], stdout=subprocess.DEVNULL
+        [*pin(core0), PY, str(ROOT / "bench" / "upstream.py"), str(up_port)], stdout=subprocess.DEVNULL
     )
     procs: list[int] = [upstream.pid]
     report: dict[str, Any] = {"pinned": two_cores, "durable_capture": True, "loadavg_start": os.getloadavg()}

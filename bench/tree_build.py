@@ -1,9 +1,11 @@
 """Benchmark: prefix-tree building (clawpipe.trees.build_forest) vs a naive greedy linear merge vs one vectorised pass.
 
-Synthetic iteration: ``--rollouts`` rollouts in groups of ``--group-size`` sharing a task prompt, ``--turns``
-calls each whose context grows to ``--context`` tokens, plus branches (a retry, a drift, a compaction
-rewrite and a 3-call sub-agent in some rollouts, 2 choices on some calls). Input arrives group batch by group
-batch as Arrow tables shaped like ``sql/trees/calls.sql`` rows (built outside the timed region).
+Input: ``--rollouts`` production-shaped rollouts from ``bench/tree_data.py`` (bench/data.py's distributions,
+``--shape`` large by default: prompts log-normal around 16k tokens, 512 sampled, ~6 calls per rollout, Zipf ids),
+in groups of ``--group-size`` sharing a task prompt, each call's prompt extending the previous one, with
+retries, n=2 choices, drift, sub-agents, failed and retokenized calls, and compaction of prompts that would
+pass ``--context``. Input arrives group batch by group batch as Arrow tables shaped like
+``sql/trees/calls.sql`` rows (drawn outside the timed region).
 
 Measured in one run, on one core, as process CPU time (the machine is shared; wall time is noise),
 the median of ``--repeat`` timings per batch:
@@ -14,11 +16,12 @@ the median of ``--repeat`` timings per batch:
   need ~30 bytes per token, so the full size would not fit);
 - floor: one vectorised numpy pass over every flattened token (a per-sequence checksum with
   ``np.add.reduceat`` over the Arrow value buffers): reading the input once, the floor any builder pays;
-- peak RSS against the input size and the largest batch, and its growth against a measured floor: the bytes
-  of the unique token ids themselves (int32).
+- peak RSS against the input size and the largest batch; what the builder adds to the peak of drawing and
+  holding the same input without building (a first pass), against a measured floor: the bytes of the largest
+  batch's unique token ids themselves (int32; batches are built one at a time).
 
-Run: ``.venv/bin/python bench/tree_build.py`` (default 1,000 x 20 turns x 8k, about a minute);
-``--rollouts 200`` for a quick run. Last line: JSON.
+Run: ``.venv/bin/python bench/tree_build.py`` (default 1,000 large rollouts, about a minute);
+``--rollouts 200`` for a quick run. Last line: JSON, with the load average.
 """
 
 from __future__ import annotations
@@ -29,100 +32,41 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import data
+import tree_data
+
 from clawpipe.trees import build_forest
 
-VOCAB = 150_000
 
-
-def make_group(g: int, args: argparse.Namespace) -> pa.Table:
-    """The calls of one group: ``group_size`` rollouts of ``turns`` calls sharing the task prompt."""
-    rng = np.random.default_rng(args.seed * 100_003 + g)
-    task_len = args.context // 8
-    step = (args.context - task_len) // args.turns  # tokens added per turn: tool output + completion
-    gen_len = max(1, step // 4)
-    task = rng.integers(0, VOCAB, task_len, dtype=np.int32)
-    prompts: list[np.ndarray] = []
-    comps: list[np.ndarray] = []
-    meta: list[tuple[str, int, str, int]] = []  # call_id, choice, rollout_id, seq
-
-    def add(cid: str, rid: str, seq: int, prompt: np.ndarray, comp: np.ndarray, choice: int = 0) -> None:
-        prompts.append(prompt)
-        comps.append(comp)
-        meta.append((cid, choice, rid, seq))
-
-    for r in range(args.group_size):
-        rid = f"g{g}-r{r}"
-        chain = np.concatenate([task, rng.integers(0, VOCAB, args.context, dtype=np.int32)])
-        seq = 0
-        kinds = rng.random(4) < args.branch_rate  # retry, drift, rewrite, subagent
-        for k in range(args.turns):
-            p_end = task_len + k * step + (step - gen_len)
-            prompt = chain[:p_end].copy()
-            if kinds[1] and k == args.turns // 2:  # the prompt re-encodes the previous completion
-                prompt[p_end - (step - gen_len) - gen_len // 2] += 1
-            if kinds[2] and k == args.turns - 1:  # compaction: task + a summary
-                prompt = np.concatenate([task, rng.integers(0, VOCAB, step, dtype=np.int32)])
-            comp = chain[p_end : p_end + gen_len]
-            add(f"{rid}-c{k}", rid, seq, prompt, comp)
-            seq += 1
-            if k == 0 and g % 4 == 0:  # n=2 choices on the first call of some groups
-                add(f"{rid}-c{k}", rid, seq - 1, prompt, rng.integers(0, VOCAB, gen_len, dtype=np.int32), 1)
-            if kinds[0] and k == args.turns // 3:  # a retry of the same prompt
-                add(f"{rid}-c{k}b", rid, seq, prompt, rng.integers(0, VOCAB, gen_len, dtype=np.int32))
-                seq += 1
-        if kinds[3]:
-            sub = np.concatenate([task[:16], rng.integers(0, VOCAB, 3 * step, dtype=np.int32)])
-            for k in range(3):
-                add(
-                    f"{rid}-s{k}",
-                    rid,
-                    seq,
-                    sub[: 16 + k * step + step - gen_len],
-                    sub[16 + k * step + step - gen_len :][:gen_len],
-                )
-                seq += 1
-
-    def lists(arrs: list[np.ndarray]) -> pa.Array:
-        off = np.zeros(len(arrs) + 1, dtype=np.int32)
-        np.cumsum([len(a) for a in arrs], out=off[1:])
-        return pa.ListArray.from_arrays(pa.array(off), pa.array(np.concatenate(arrs)))
-
-    n = len(meta)
-    lp = [np.full(len(c), -0.5, dtype=np.float32) for c in comps]
-    lp_off = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum([len(c) for c in comps], out=lp_off[1:])
-    return pa.table(
-        {
-            "call_id": [m[0] for m in meta],
-            "choice_index": pa.array([m[1] for m in meta], pa.int32()),
-            "rollout_id": [m[2] for m in meta],
-            "seq": pa.array([m[3] for m in meta], pa.int64()),
-            "group_id": [f"g{g}"] * n,
-            "sample_idx": pa.array([int(m[2].rsplit("r", 1)[1]) for m in meta], pa.int32()),
-            "status": ["ok"] * n,
-            "token_source": ["upstream"] * n,
-            "finish_reason": ["stop"] * n,
-            "policy_version": pa.array([1] * n, pa.int64()),
-            "reward": pa.array([float(int(m[2].rsplit("r", 1)[1]) % 2) for m in meta]),
-            "prompt_token_ids": lists(prompts),
-            "completion_token_ids": lists(comps),
-            "completion_logprobs": pa.ListArray.from_arrays(pa.array(lp_off), pa.array(np.concatenate(lp))),
-        }
-    )
+def shape_of(args: argparse.Namespace) -> data.Shape:
+    shp = data.shape(args.shape)
+    shp.turns = args.turns or shp.turns
+    shp.context = args.context
+    return shp
 
 
 def batches(args: argparse.Namespace, n_groups: int) -> Iterator[pa.Table]:
+    """The input, ``--batch-groups`` groups per table (the SQL stage's batches), drawn lazily."""
     per = max(1, args.batch_groups)
-    for b in range(0, n_groups, per):
-        yield pa.concat_tables([make_group(g, args) for g in range(b, min(n_groups, b + per))])
+    rows: list[dict] = []
+    for k, group in enumerate(tree_data.groups(n_groups, shape_of(args), group_size=args.group_size, seed=args.seed)):
+        rows.extend(group)
+        if (k + 1) % per == 0 or k + 1 == n_groups:
+            t = tree_data.table(rows)
+            rows = []  # the drawn rows go before the builder runs: the peak is the builder's and its input's
+            yield t
 
 
 def flattened_of(t: pa.Table) -> int:
@@ -165,27 +109,30 @@ def rss_mb() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=1000)
-    ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--shape", choices=sorted(data.SHAPES), default="large", help="bench/data.py's call shape")
+    ap.add_argument("--turns", type=int, default=0, help="median calls per rollout (0: the shape's)")
+    ap.add_argument("--context", type=int, default=65536, help="prompts that would pass it are compacted")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--batch-groups", type=int, default=4, help="groups per input batch (the SQL stage's batches)")
-    ap.add_argument("--branch-rate", type=float, default=0.3)
     ap.add_argument("--naive-rollouts", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="timings per batch; the median counts")
     args = ap.parse_args()
     n_groups = max(1, args.rollouts // args.group_size)
 
-    build_forest(
-        make_group(0, argparse.Namespace(**{**vars(args), "turns": 2, "context": 256})), run_id="w", iteration=0
-    )
+    build_forest(tree_data.table(next(tree_data.groups(1, data.shape("small"), seed=99))), run_id="w", iteration=0)
     base_rss = rss_mb()
+    for _t in batches(args, n_groups):  # drawing and holding the input alone: the peak the builder adds to
+        del _t
+    input_rss = rss_mb()
     t_build = t_floor = 0.0
     flat_total = unique_total = nodes_total = 0
     input_bytes = biggest = 0
     causes = {c: 0 for c in ("retry", "choice", "rewrite", "subagent", "drift", "rollout")}
+    calls_total = biggest_unique = 0
     for t in batches(args, n_groups):
         flat = flattened_of(t)
+        calls_total += len(t)
         nbytes = t.nbytes
         input_bytes += nbytes
         biggest = max(biggest, nbytes)
@@ -202,7 +149,9 @@ def main() -> None:
         t_floor += statistics.median(floors)
         flat_total += flat
         rs = stats.filter(pa.compute.equal(stats["scope"], "rollout"))
-        unique_total += int(pa.compute.sum(rs["unique_tokens"]).as_py())
+        batch_unique = int(pa.compute.sum(rs["unique_tokens"]).as_py())
+        unique_total += batch_unique
+        biggest_unique = max(biggest_unique, batch_unique)
         nodes_total += len(nodes)
         for c in causes:
             causes[c] += int(pa.compute.sum(stats[f"branches_{c}"]).as_py())
@@ -212,9 +161,8 @@ def main() -> None:
     # naive, on a prefix of the same data (python lists are ~8x bigger than the Arrow input)
     naive_groups = max(1, args.naive_rollouts // args.group_size)
     rows: list[tuple[str, list[int], list[int]]] = []
-    naive_tables = [
-        make_group(g, args).sort_by([("rollout_id", "ascending"), ("seq", "ascending")]) for g in range(naive_groups)
-    ]
+    sub = pa.concat_tables(list(batches(argparse.Namespace(**{**vars(args), "batch_groups": 1}), naive_groups)))
+    naive_tables = [sub.sort_by([("rollout_id", "ascending"), ("seq", "ascending"), ("choice_index", "ascending")])]
     t0 = time.process_time()
     for t in naive_tables:
         rows.extend(
@@ -228,7 +176,6 @@ def main() -> None:
     t_convert = time.process_time() - t0
     del naive_tables
     naive_flat = sum(len(p) + len(c) for _, p, c in rows)
-    sub = pa.concat_tables([make_group(g, args) for g in range(naive_groups)])
     naive_times, sub_times = [], []
     for _ in range(args.repeat):
         t0 = time.process_time()
@@ -246,8 +193,10 @@ def main() -> None:
     floor_rate = flat_total / t_floor
     res = {
         "rollouts": n_groups * args.group_size,
-        "turns": args.turns,
+        "shape": args.shape,
+        "median_turns": shape_of(args).turns,
         "context": args.context,
+        "calls": calls_total,
         "flattened_tokens": flat_total,
         "unique_tokens_rollout_scope": unique_total,
         "nodes": nodes_total,
@@ -270,16 +219,22 @@ def main() -> None:
         "input_mb": round(input_bytes / 2**20, 1),
         "largest_batch_mb": round(biggest / 2**20, 1),
         "peak_rss_mb": round(peak, 1),
-        # memory against a measured floor: the bytes of the unique token ids themselves (int32)
+        # memory against a measured floor: the bytes of the unique token ids themselves (int32); batches are
+        # built one at a time, so the floor of the peak is the largest batch's unique ids
         "unique_ids_mb": round(unique_total * 4 / 2**20, 1),
-        "rss_growth_vs_unique_ids": round((peak - base_rss) / max(unique_total * 4 / 2**20, 1e-9), 2),
+        "largest_batch_unique_ids_mb": round(biggest_unique * 4 / 2**20, 1),
+        "rss_growth_mb": round(peak - base_rss, 1),
+        "rss_growth_input_only_mb": round(input_rss - base_rss, 1),  # the same batches drawn, not built
+        "builder_rss_mb": round(peak - input_rss, 1),
+        "builder_rss_vs_batch_unique_ids": round((peak - input_rss) / max(biggest_unique * 4 / 2**20, 1e-9), 2),
         "base_rss_mb": round(base_rss, 1),
         "target_tokens_per_s": 20_000_000,
         "meets_rate_target": rate >= 20e6,
         "meets_floor_target": t_build / t_floor <= 10,
     }
     print(
-        f"input: {res['rollouts']} rollouts x {args.turns} turns -> {args.context} tokens; "
+        f"input: {res['rollouts']} rollouts of {args.shape} calls ({calls_total:,} rows, median "
+        f"{res['median_turns']} turns, context {args.context}); "
         f"{flat_total:,} flattened tokens ({res['input_mb']} MB Arrow, largest batch {res['largest_batch_mb']} MB)"
     )
     print(
@@ -299,8 +254,10 @@ def main() -> None:
         f"({res['builder_vs_naive_with_conversion_ratio']:.2f}x with conversion)"
     )
     print(
-        f"peak RSS {peak:.0f} MB (start {base_rss:.0f} MB) for {res['input_mb']} MB of input; growth "
-        f"{res['rss_growth_vs_unique_ids']:.1f}x the {res['unique_ids_mb']} MB of unique token ids (the floor)"
+        f"peak RSS {peak:.0f} MB (start {base_rss:.0f} MB, drawing the input alone {input_rss:.0f} MB) for "
+        f"{res['input_mb']} MB of input; the builder adds {peak - input_rss:.0f} MB = "
+        f"{res['builder_rss_vs_batch_unique_ids']:.1f}x the largest batch's {res['largest_batch_unique_ids_mb']} MB "
+        f"of unique token ids (the floor; all batches: {res['unique_ids_mb']} MB)"
     )
     res["load"] = [round(x, 1) for x in os.getloadavg()]  # shared machine: the load beside the figures
     print(json.dumps(res))

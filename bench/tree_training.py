@@ -1,8 +1,10 @@
 """Benchmark: one GRPO train step on the same batch, packed as prefix trees vs flattened sequences.
 
-Batch: groups of 8 rollouts sharing a long task prompt, each rollout a multi-turn chat whose later calls
-re-read the earlier turns (the shape agent harnesses produce). Policy: a small Qwen2 built from config
-(~3.4M parameters, vocab 512). Run: `python bench/tree_training.py [--quick]`.
+Batch: groups of 8 production-shaped rollouts from bench/tree_data.py (bench/data.py's distributions: log-normal
+lengths around ``--prompt`` / ``--completion``, ~``--turns`` calls per rollout, each prompt extending the last,
+a task prompt shared by the group, retries, choices, drift, sub-agents, compaction at ``--context``), ids
+folded into the policy's vocabulary. Policy: a small Qwen2 built from config (~3.4M parameters, vocab 512).
+Run: `python bench/tree_training.py [--quick]`.
 
 Prints human lines, then one JSON line with: step times (median, interleaved runs), speedup
 (flat / tree), ideal (flattened / unique tokens), ratio = speedup / ideal (target >= 0.75), peak memory of
@@ -36,6 +38,11 @@ from clawpipe.train.data import RolloutInfo
 from clawpipe.train.trainer import Trainer
 from tests.trees.training import build_tree
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import data
+import tree_data
+
 VOCAB = 512
 
 
@@ -55,21 +62,29 @@ def small_policy(seed: int = 0) -> torch.nn.Module:
 
 
 def make_batch(args: argparse.Namespace):
-    rng = np.random.default_rng(0)
+    """Groups of 8 production-shaped rollouts (bench/tree_data.py) with their ids folded into the policy's
+    vocabulary; failed and retokenized calls are left out, as training leaves them out."""
+    shp = data.Shape(args.prompt, args.completion, args.turns, context=args.context)
     trees, infos = [], {}
-    for g in range(args.groups):
-        prompt = rng.integers(10, VOCAB, args.prompt).tolist()
+    for group in tree_data.groups(args.groups, shp, group_size=8, seed=args.seed):
         seqs = []
-        for i in range(8):
-            rid = f"g{g}r{i}"
-            infos[rid] = RolloutInfo(rid, f"g{g}", "bench", float(rng.random()))
-            ctx = list(prompt)
-            for _ in range(args.turns):
-                comp = rng.integers(10, VOCAB, args.completion).tolist()
-                lps = (-rng.random(len(comp))).tolist()
-                seqs.append(dict(tokens=ctx + comp, n_prompt=len(ctx), rollout_id=rid, old_logprobs=lps))
-                ctx = ctx + comp + rng.integers(10, VOCAB, args.tool).tolist()
-        trees.append(build_tree(f"g{g}", seqs))
+        for row in group:
+            rid = row["rollout_id"]
+            infos.setdefault(rid, RolloutInfo(rid, row["group_id"], "bench", row["reward"]))
+            if row["status"] != "ok" or row["token_source"] != "upstream":
+                continue
+            prompt, comp = row["prompt_token_ids"] % VOCAB, row["completion_token_ids"] % VOCAB
+            seqs.append(
+                dict(
+                    tokens=np.concatenate([prompt, comp]).tolist(),
+                    n_prompt=len(prompt),
+                    rollout_id=rid,
+                    call_id=row["call_id"],
+                    choice_index=row["choice_index"],
+                    old_logprobs=row["completion_logprobs"].tolist(),
+                )
+            )
+        trees.append(build_tree(group[0]["group_id"], seqs))
     cfg = make_config(max_tokens_per_micro_batch=args.budget, learning_rate=1e-5)
     return build_batch(trees, infos, cfg, policy_version=None), cfg
 
@@ -114,17 +129,18 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=768, help="shared task prompt tokens")
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--completion", type=int, default=48)
-    ap.add_argument("--tool", type=int, default=24, help="tool-output tokens between turns")
+    ap.add_argument("--prompt", type=int, default=1024, help="median prompt tokens (the shared task: a third)")
+    ap.add_argument("--turns", type=int, default=3, help="median calls per rollout")
+    ap.add_argument("--completion", type=int, default=48, help="median sampled tokens per call")
+    ap.add_argument("--context", type=int, default=3072, help="prompts that would pass it are compacted")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=int, default=4096, help="tokens per packed micro-batch")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a smaller batch for a fast check")
     ap.add_argument("--worker", choices=["tree", "flat"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
-        args.prompt, args.reps = 256, 1
+        args.prompt, args.context, args.reps = 512, 1024, 1
     if args.worker:
         worker(args)
         return
@@ -136,7 +152,7 @@ def main() -> None:
     trainers = {layout: Trainer(copy.deepcopy(base), cfg) for layout in ("tree", "flat")}
     mbs = trainers["tree"].pack(batch, "tree")
     print(f"policy: {n_params / 1e6:.2f}M params on {trainers['tree'].device}; batch: {args.groups} groups x 8 "
-          f"rollouts x {args.turns} turns, prompt {args.prompt} tokens")  # fmt: skip
+          f"rollouts, ~{args.turns} calls each, prompts ~{args.prompt} tokens")  # fmt: skip
     print(f"tokens: flattened {batch.flattened_tokens}, unique {batch.unique_tokens}, ideal speedup {ideal:.2f}x; "
           f"{len(mbs)} packed micro-batch(es) of <= {args.budget} tokens")  # fmt: skip
     for layout in ("tree", "flat"):  # warm-up
@@ -155,7 +171,8 @@ def main() -> None:
     mem = {}
     for layout in ("tree", "flat"):
         cmd = [sys.executable, __file__, "--worker", layout] + [
-            f"--{k}={getattr(args, k)}" for k in ("groups", "prompt", "turns", "completion", "tool", "budget")
+            f"--{k}={getattr(args, k)}"
+            for k in ("groups", "prompt", "turns", "completion", "context", "seed", "budget")
         ]
         mem[layout] = json.loads(
             subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1]
