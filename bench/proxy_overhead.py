@@ -80,6 +80,10 @@ def tree_rss(pid: int) -> int:
     return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
 
 
+def _load() -> list[float]:
+    return [round(x, 1) for x in os.getloadavg()]
+
+
 def load() -> str:
     one, five, _ = os.getloadavg()
     return f"{one:.2f}/{five:.2f}"
@@ -386,7 +390,7 @@ def main() -> None:
         [*pin(core0), PY, str(ROOT / "bench" / "upstream.py"), str(up_port)], stdout=subprocess.DEVNULL
     )
     procs: list[int] = [upstream.pid]
-    report: dict[str, Any] = {"pinned": two_cores, "durable_capture": True, "loadavg_start": os.getloadavg()}
+    report: dict[str, Any] = {"pinned": two_cores, "durable_capture": True, "loadavg_start": _load()}
     try:
         wait_port(up_port)
         alone = measure("upstream", None, "/v1/chat/completions", up_port, core0)
@@ -454,7 +458,7 @@ def main() -> None:
         "rss_lt_200mb": report["clawpipe_rss"]["rss_mb_max"] < 200,
     }
     cpu = "/".join(f"{ours[c]['cpu_ms_per_call']:.3f}" for c in ours)
-    report["loadavg_end"] = os.getloadavg()
+    report["loadavg_end"] = report["load"] = _load()  # shared machine: the load beside the figures
     print(
         f"summary: clawpipe cpu ms/call {cpu} ({', '.join(ours)}); peer/clawpipe {ratios}; added median {added} ms;"
         f" load {load()}"
