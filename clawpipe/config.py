@@ -48,6 +48,12 @@ class Settings(BaseSettings):
     lake_uri: str | None = Field(
         default=None, description="Lake root: a local path or a pyarrow/fsspec URL; default <home>/lake."
     )
+    host_slots: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sandboxes at once on this worker host, over every run (the Prefect global concurrency limit "
+        "sandboxes-<host>, created with this many slots if absent); default the host's CPU count.",
+    )
     sandbox_ro_roots: str = Field(
         default="",
         description="Host folders (separated by ':') under which a harness manifest's sandbox.ro_paths may bind, "

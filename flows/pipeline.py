@@ -29,7 +29,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact  #
 from prefect.cache_policies import INPUTS, TASK_SOURCE  # noqa: E402
 from prefect.runtime import flow_run, task_run  # noqa: E402
 
-from clawpipe.pipeline import report, stages  # noqa: E402
+from clawpipe.pipeline import report, shards, stages  # noqa: E402
 from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
 from clawpipe.pipeline.faults import inject_fault  # noqa: E402
 from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
@@ -56,15 +56,20 @@ def rollout_batch(
             inject_fault("rollout_batch", iteration)  # half the batch has written its results
         progress(result, done, total)
 
-    done = stages.run_rollouts(
-        cfg,
-        specs,
-        proxy_url=proxy_url,
-        settings=get_settings(),
-        batch_id=f"{kind}-{iteration}",
-        progress=on_result,
-        final_attempt=task_run.run_count > ROLLOUT_RETRIES,
-    )
+    if cfg.rollout_pool:  # shards as flow runs on the pool's workers (flows/rollout_shard.py)
+        from flows.rollout_shard import fan_out_batch
+
+        done = fan_out_batch(cfg, specs, proxy_url=proxy_url, batch_id=f"{kind}-{iteration}")
+    else:
+        done = stages.run_rollouts(
+            cfg,
+            specs,
+            proxy_url=proxy_url,
+            settings=get_settings(),
+            batch_id=f"{kind}-{iteration}",
+            progress=on_result,
+            final_attempt=task_run.run_count > ROLLOUT_RETRIES,
+        )
     get_run_logger().info("it %d %s: reward %.3f, statuses %s", iteration, kind, done["reward_mean"], done["statuses"])
     return done
 
@@ -72,7 +77,7 @@ def rollout_batch(
 @task(name="land_batch", retries=3, retry_delay_seconds=[1, 5, 20], timeout_seconds=1800)
 def land_batch(iteration: int) -> dict[str, Any]:
     """Land new capture records and rollout results into the lake (idempotent)."""
-    landed = stages.land_captures(get_settings())
+    landed = shards.land_run(get_settings())  # from the object store's capture prefix when the lake is there
     get_run_logger().info("it %d landed %s", iteration, {k: v for k, v in landed.items() if isinstance(v, int)})
     inject_fault("land_batch", iteration)
     return landed

@@ -7,6 +7,7 @@ config here, fast, and then run the flow module in a child Python process.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -88,14 +89,40 @@ def worker(
     api_url: str | None = typer.Option(None, "--api-url", help="Prefect server API URL (default: PREFECT_API_URL)."),
     limit: int | None = typer.Option(None, "--limit", help="Most flow runs at once."),
     run_once: bool = typer.Option(False, "--run-once", help="Execute the runs scheduled now, then exit."),
+    slots: int | None = typer.Option(
+        None,
+        "--slots",
+        min=1,
+        help="Sandboxes at once on this host over every run: the Prefect limit sandboxes-<host> "
+        "(default CLAWPIPE_HOST_SLOTS, else the CPU count).",
+    ),
 ) -> None:
-    """Start a process worker for the pool (on this machine or another that shares the lake and MLflow)."""
+    """Start a process worker for the pool (on this machine or another that shares the lake and MLflow).
+
+    For a rollout pool (``rollout_pool`` in the pipeline config) it first sets this host's sandbox limit;
+    on exit it stops the capture proxies that rollout shards started on this host.
+    """
+    from clawpipe.config import get_settings
+    from clawpipe.pipeline.services import stop_host_proxies
+
     env = _flows_env()
     if api_url:
         env["PREFECT_API_URL"] = api_url
+    if slots:
+        env["CLAWPIPE_HOST_SLOTS"] = str(slots)
+    setup = subprocess.run([sys.executable, "-m", "flows.rollout_shard", "limit"], env=env)
+    if setup.returncode != 0:
+        raise typer.Exit(setup.returncode)
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
     if limit:
         cmd += ["--limit", str(limit)]
     if run_once:
         cmd += ["--run-once"]
-    raise typer.Exit(subprocess.call(cmd, env=env))
+    proc = subprocess.Popen(cmd, env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the worker stops first, then this host's proxies
+        signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+    try:
+        code = proc.wait()
+    finally:
+        stop_host_proxies(get_settings().root)
+    raise typer.Exit(code)

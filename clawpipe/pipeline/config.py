@@ -93,6 +93,22 @@ class PipelineConfig(BaseModel):
     engine: Literal["local", "vllm"] = Field(default="local", description="Serving engine.")
     served_name: str = Field(default="clawpipe-policy", description="Model name harnesses ask for.")
     rollout_timeout_s: float | None = Field(default=None, gt=0, description="Override of each manifest's timeout.")
+    rollout_pool: str | None = Field(
+        default=None,
+        description="Prefect work pool to fan rollouts out to: each batch is split into shards of shard_size, each "
+        "a flow run of the rollout-shard deployment on this pool (workers: clawpipe worker --pool NAME). Needs a "
+        "Prefect server (PREFECT_API_URL) and an object-store lake (CLAWPIPE_LAKE_URI). Default: in process.",
+    )
+    shard_size: int = Field(default=16, ge=1, le=100_000, description="Rollouts per shard (with rollout_pool).")
+    shard_timeout_s: float = Field(
+        default=3600.0, gt=0, description="A shard not finished this long after submission is given up and rerun."
+    )
+    shard_stall_s: float = Field(
+        default=60.0,
+        ge=5,
+        description="A running shard whose heartbeat (in the lake, every quarter of this) stops this long is taken "
+        "for dead (its worker killed) and its rollouts rerun elsewhere under new ids.",
+    )
     train: dict[str, Any] = Field(
         # Tuned for the tiny policy on CPU: a high learning rate, six optimizer epochs per batch (a step of
         # the tiny policy takes seconds in the run's training process, so epochs are cheap next to rollouts),

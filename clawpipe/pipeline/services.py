@@ -4,11 +4,21 @@ Both run as their own processes (``clawpipe serve``, ``clawpipe proxy``), so the
 where CPU and memory go, and a crash of one is visible as an exit code. Publishing a checkpoint pauses the
 proxy (new calls wait, in-flight calls drain), reloads the server, and resumes the proxy with the new
 policy_version stamped on every later call.
+
+A worker host of a fanned-out run (clawpipe/pipeline/shards.py) has its own capture proxy in front of the
+run's policy server(s): :func:`host_proxy` starts it on first use, under a lock, in a session of its own,
+and later shards on the host reuse it. It belongs to the host, not to the shard or the Prefect worker
+that started it: a worker killed mid-shard leaves it running, so the calls it already accepted are sealed
+and uploaded, and the next shard on the host finds it. :func:`stop_host_proxies` ends them
+(``clawpipe worker`` does on exit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -203,3 +213,99 @@ def publish(
 def _tail(log_dir: Path) -> str:
     logs = sorted(log_dir.glob("*.log"), key=lambda f: f.stat().st_mtime)
     return "\n".join(f"[{f.name}] " + f.read_text(errors="replace")[-1500:] for f in logs[-2:])
+
+
+def upstreams_of(proxy_url: str, admin_token: str) -> list[str]:
+    """The policy servers behind a proxy (its ``/admin/replicas`` listing): what worker hosts' proxies front."""
+    r = httpx.get(f"{proxy_url}/admin/replicas", headers={"authorization": f"Bearer {admin_token}"}, timeout=30)
+    if r.status_code != 200:
+        raise ServingError(f"GET {proxy_url}/admin/replicas answered {r.status_code}: {r.text[:300]}")
+    return [str(rep["upstream"]) for rep in r.json()["replicas"]]
+
+
+def host_proxy(
+    home: Path, upstreams: list[str], admin_token: str, *, tokenizer: Path | None = None, timeout: float = 120.0
+) -> str:
+    """The URL of this host's capture proxy in front of ``upstreams``: the running one, or a new one.
+
+    One per set of upstreams, recorded in ``<home>/proxies/<key>.json``; the lock makes two shards that
+    start at once on the host share one. A recorded proxy that no longer answers is replaced.
+    """
+    folder = home / "proxies"
+    folder.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha1("\n".join(sorted(u.rstrip("/") for u in upstreams)).encode()).hexdigest()[:12]
+    record = folder / f"{key}.json"
+    with open(folder / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if record.is_file():
+            known = json.loads(record.read_text())
+            if _answers(str(known["url"]), admin_token):
+                return str(known["url"])
+        ready = folder / f"{key}.ready"
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "clawpipe", "proxy", "--port", "0", "--ready-file", str(ready)]
+        for url in upstreams:
+            cmd += ["--upstream", url]
+        cmd += ["--capture-dir", str(home / "captures"), "--segment-age", "5"]
+        if tokenizer is not None:
+            cmd += ["--tokenizer", str(tokenizer)]
+        with open(folder / f"{key}.log", "ab") as out:
+            # its own session: a kill of the shard's or the worker's process group leaves the host's proxy
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while not ready.is_file():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                tail = (folder / f"{key}.log").read_text(errors="replace")[-1500:]
+                raise ServingError(f"the host proxy for {upstreams} did not start (exit {proc.poll()}):\n{tail}")
+            time.sleep(0.1)
+        url = ready.read_text().strip()
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": proc.pid, "url": url, "upstreams": upstreams}))
+        os.replace(tmp, record)
+        log.info("host proxy up url=%s upstreams=%s pid=%d", url, upstreams, proc.pid)
+        return url
+
+
+def _answers(url: str, admin_token: str) -> bool:
+    try:
+        r = httpx.get(f"{url}/admin/health", headers={"authorization": f"Bearer {admin_token}"}, timeout=5)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+def set_policy_version(proxy_url: str, admin_token: str, policy_version: int) -> None:
+    """Stamp ``policy_version`` on the proxy's later calls (a host proxy serves the policy of its shard)."""
+    _admin(f"{proxy_url}/admin/policy_version", admin_token, {"policy_version": policy_version}, timeout=30)
+
+
+def stop_host_proxies(home: Path, timeout: float = 30.0) -> int:
+    """SIGTERM every host proxy recorded under ``<home>/proxies`` (each seals and uploads its last segment)."""
+    stopped = 0
+    for record in sorted((home / "proxies").glob("*.json")):
+        pid = int(json.loads(record.read_text())["pid"])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            stopped += 1
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.1)
+        record.unlink(missing_ok=True)
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

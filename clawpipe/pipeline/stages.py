@@ -218,6 +218,7 @@ def run_rollouts(
     import dataclasses
 
     from clawpipe.capture import read_results
+    from clawpipe.pipeline.shards import plan
     from clawpipe.sandbox.runner import default_results_path
     from clawpipe.sandbox.runner import run_rollouts as run
 
@@ -231,14 +232,10 @@ def run_rollouts(
         for _, row, _ in read_results(results_path):
             if row and row.get("status") != "infra_error":
                 done[str(row["rollout_id"])] = row
-    todo, kept = [], []
-    for spec in specs:
-        ids = [spec.id] + [f"{spec.id}.a{n}" for n in range(2, attempt + 1)]
-        finished = [done[i] for i in ids if i in done]
-        if finished:
-            kept.append(finished[-1])
-        else:
-            todo.append(spec if attempt == 1 else dataclasses.replace(spec, rollout_id=ids[-1]))
+    kept_rows, todo_ids = plan([s.id for s in specs], done, attempt)  # the .a<N> rule, shared with shards
+    by_id = {s.id: s for s in specs}
+    todo = [by_id[sid] if rid == sid else dataclasses.replace(by_id[sid], rollout_id=rid) for sid, rid in todo_ids]
+    kept = list(kept_rows.values())
     if kept:
         log.info("batch %s attempt %d: %d rollouts already done, %d to run", batch_id, attempt, len(kept), len(todo))
     options: dict[str, Any] = {"batch_id": batch_id}
@@ -415,6 +412,15 @@ def train(
         if proc.returncode != 0:
             raise TrainingError(f"training step failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return dict(json.loads(metrics_path.read_text()))
+
+
+def start_trainer(cfg: PipelineConfig, settings: Settings, run_id: str) -> None:
+    """Start the run's training process ahead of its first step (it imports torch meanwhile); nothing when
+    steps are launched on their own (see _persistent_trainer)."""
+    if _persistent_trainer(dict(cfg.train)):
+        from clawpipe.pipeline.train_worker import worker_for
+
+        worker_for(run_id, settings.runs_dir / run_id / "logs" / "trainer.log").start()
 
 
 def _persistent_trainer(train_values: dict[str, Any]) -> bool:
