@@ -165,6 +165,8 @@ def build_batch(
     if config.algorithm == "grpo":
         batch.contrib.adv = grpo_advantages(batch, config).astype(np.float32)
     stats["sequences"] = seq_id
+    for h in harnesses:  # what the step trains of each harness (zero-variance groups are left out above)
+        stats[f"sequences/{h}"] = sum(rollouts[s.rollout_id].harness == h for _, s in sequences)
     stats["rollouts"] = len(infos)
     return batch
 
