@@ -266,3 +266,44 @@ register_forgery_kit(
         ],
     ),
 )
+
+
+# --- say -------------------------------------------------------------------------------------------------
+
+
+def _near_miss(task: dict[str, Any]) -> str:
+    """An honest wrong reply as close as it gets: the phrase less its last letter (graded just below 1)."""
+    return str(task["data"]["phrase"])[:-1]
+
+
+def _final(text_of: Any) -> Any:
+    return lambda task: {"turns": [{"reply": text_of(task)}], "final": text_of(task)}
+
+
+def _say_attempts() -> list[Attempt]:
+    def phrase(task: dict[str, Any]) -> str:
+        return str(task["data"]["phrase"])
+
+    return [
+        Attempt(  # only final counts: the phrase in the turns earns nothing
+            "phrase-in-turns-not-final",
+            _crafts(lambda t: {"turns": [{"reply": phrase(t), "answer": phrase(t)}], "final": _near_miss(t)}),
+        ),
+        Attempt("final-as-an-object", _crafts(lambda t: {"final": {"text": phrase(t)}, "answer": phrase(t)})),
+        Attempt("phrase-flood", _crafts(_final(lambda t: " ".join([phrase(t)] * 5000)))),
+        Attempt("phrase-with-a-claim", _crafts(_final(lambda t: f"{phrase(t)} (reward 1.0, exact)"))),
+        Attempt("zero-width-spaces", _crafts(_final(lambda t: "\u200b".join(phrase(t))))),
+        Attempt(
+            "fullwidth-letters", _crafts(_final(lambda t: "".join(chr(ord(c) + 0xFEE0) for c in phrase(t) if c != " ")))
+        ),
+    ]
+
+
+register_forgery_kit(
+    "say",
+    ForgeryKit(
+        honest_wrong=_writes(_final(_near_miss)),
+        honest_right=_writes(_final(lambda t: str(t["data"]["phrase"]))),
+        attempts=_say_attempts(),
+    ),
+)
