@@ -99,6 +99,11 @@ class PipelineConfig(BaseModel):
         "a flow run of the rollout-shard deployment on this pool (workers: clawpipe worker --pool NAME). Needs a "
         "Prefect server (PREFECT_API_URL) and an object-store lake (CLAWPIPE_LAKE_URI). Default: in process.",
     )
+    serve_host: str = Field(
+        default="127.0.0.1",
+        description="Address the run's policy server binds; worker hosts of a rollout_pool reach it there "
+        "(0.0.0.0: every interface, reached by this host's name).",
+    )
     shard_size: int = Field(default=16, ge=1, le=100_000, description="Rollouts per shard (with rollout_pool).")
     shard_timeout_s: float = Field(
         default=3600.0, gt=0, description="A shard not finished this long after submission is given up and rerun."

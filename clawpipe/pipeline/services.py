@@ -49,6 +49,7 @@ class Services:
     served_name: str = "clawpipe-policy"
     policy_version: int = 0
     engine: str = "local"  # local | vllm
+    serve_host: str = "127.0.0.1"  # the policy server's bind address (worker hosts of a fan-out reach it there)
     serve_args: list[str] = field(default_factory=list)
     serving_url: str = ""
     proxy_url: str = ""
@@ -57,7 +58,7 @@ class Services:
     def start(self, timeout: float = 120.0) -> Services:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         serve_port, proxy_port = free_port(), free_port()
-        self.serving_url = f"http://127.0.0.1:{serve_port}"
+        self.serving_url = f"http://{advertised_host(self.serve_host)}:{serve_port}"
         self.proxy_url = f"http://127.0.0.1:{proxy_port}"
         cli = [sys.executable, "-m", "clawpipe"]
         if self.engine == "vllm":
@@ -78,6 +79,8 @@ class Services:
                 str(self.policy_dir),
                 "--port",
                 str(serve_port),
+                "--host",
+                self.serve_host,
                 "--served-name",
                 self.served_name,
                 "--policy-version",
@@ -152,6 +155,15 @@ class Services:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def advertised_host(bind: str) -> str:
+    """The name other hosts reach a server bound to ``bind`` by: this host's name for a wildcard address."""
+    if bind in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.getfqdn()
+    return bind
 
 
 def _die_with_parent() -> None:

@@ -460,10 +460,11 @@ def land_run(settings: Settings) -> dict[str, Any]:
     """Land what is new. With an object-store lake the captures are read from its capture prefix, where every
     host's proxy uploads (this host's own proxy is flushed first, so its open segment is there too)."""
     from clawpipe.lake import land
+    from clawpipe.proxy.segments import upload_url_from_env
     from clawpipe.proxy.upload import request_flush
 
     lake = settings.lake_uri or ""
-    if not objstore.is_remote(lake):
+    if not objstore.is_remote(lake) or upload_url_from_env() is None:  # captures stay on this host's disk
         return land(settings.captures_dir, settings.lake_dir).as_dict()
     request_flush(settings.captures_dir)
     return land(objstore.captures_url(lake), lake).as_dict()

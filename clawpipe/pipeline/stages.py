@@ -69,6 +69,7 @@ def run_services(cfg: PipelineConfig, settings: Settings, state: RunState) -> Se
         served_name=cfg.served_name,
         policy_version=state.policy_version,
         engine=cfg.engine,
+        serve_host=cfg.serve_host,
     )
 
 

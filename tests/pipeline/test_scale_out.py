@@ -78,6 +78,16 @@ def test_a_fanned_out_run_needs_an_object_store_lake(tmp_path: Path) -> None:
         shards._lake_uri(settings)
 
 
+def test_worker_hosts_reach_the_policy_server_by_the_advertised_name() -> None:
+    import socket
+
+    from clawpipe.pipeline.services import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    assert advertised_host("0.0.0.0") == socket.getfqdn()  # bound everywhere: reached by this host's name
+
+
 # --- the pipeline's watch, against a scripted runner (beside the real run below) ------------------------
 
 
