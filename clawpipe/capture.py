@@ -5,9 +5,13 @@ A segment is a file of frames (format 2)::
     SYNC (8 bytes) | u32 payload_len | u32 crc32(payload) | u32 crc32(the 16 bytes before) | payload
     payload = u32 header_len | header (JSON) | u32 request_len | request bytes | response bytes
 
-The header holds attribution and timings (see :data:`HEADER_FIELDS`); the request is the harness's
-original body as sent; the response is the upstream's body as returned (raw SSE bytes for streams).
-Parsing into columns happens at landing, never on the proxy's hot path.
+The header is a :class:`CaptureHeader` (attribution, timings, outcome), written as a JSON object that
+names its format (``"format": 3``); the request is the harness's original body as sent; the response is
+the upstream's body as returned (raw SSE bytes for streams). Parsing into columns happens at landing,
+never on the proxy's hot path. Readers decode the header into the struct (:func:`decode_header`): a field
+of the wrong type, a missing required field or an unknown field is an error naming that field. Headers
+written by earlier proxies are plain JSON objects without ``format`` (format 2) holding the same fields;
+those that fit the struct decode as they are, and landing coerces the rest the way it always has.
 
 Damage stays local. The head checksum covers the length and the payload checksum, so a damaged length is
 caught before it is trusted; the payload checksum covers the rest. After a damaged frame a reader scans
@@ -29,13 +33,16 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Annotated, Any, BinaryIO, Literal, Protocol
 
-from clawpipe.errors import CaptureError
+import msgspec
+
+from clawpipe.errors import CaptureError, CaptureHeaderError
 
 SYNC = b"\xa9CPR2\x00\x5a\xe1"  # not UTF-8 (0xa9 cannot start a character): rare in captured text
 LEGACY_MAGIC = b"CPR1"
@@ -48,36 +55,104 @@ _FIND_CHUNK = 1 << 20
 OPEN_SUFFIX = ".open"
 SEALED_SUFFIX = ".seg"
 
-# Header keys the proxy writes. Optional ones may be absent.
-HEADER_FIELDS = (
-    "call_id",  # str, unique per call (uuid4 hex)
-    "run_id",
-    "iteration",
-    "rollout_id",
-    "seq",  # int, arrival order within the rollout (per proxy process)
-    "api",  # chat | completions | responses | messages | models
-    "method",
-    "path",  # path after the rollout prefix, e.g. /v1/chat/completions
-    "query",
-    "stream",  # bool
-    "http_status",  # int, status returned to the harness
-    "status",  # CallStatus
-    "error",  # str | None
-    "model",
-    "policy_version",  # int
-    "t_start",  # float epoch seconds
-    "t_end",
-    "upstream_ms",
-    "request_changes",  # dict: fields the proxy added or changed before forwarding
-    "token_source",  # upstream | retokenized | none
-    "retokenized",  # optional dict {prompt_token_ids, choices: [{token_ids}]} when token_source=retokenized
-    "upstream",  # replica URL used
-)
+HEADER_FORMAT = 3  # the format a typed header names; a header without one was written as a format-2 dict
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+EPOCH_MAX_S = 253_402_300_800.0  # 10000-01-01: the last second a timestamp column holds
+
+Id = Annotated[str, msgspec.Meta(min_length=1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+Epoch = Annotated[float, msgspec.Meta(ge=0.0, lt=EPOCH_MAX_S)]
+CallStatusName = Literal["ok", "http_error", "upstream_error", "cancelled"]  # schemas.CallStatus
+TokenSourceName = Literal["upstream", "retokenized", "none"]  # schemas.TokenSource
+NO_CHANGES = msgspec.Raw(b"{}")
+
+
+class RetokenizedChoice(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: list[int]
+
+
+class Retokenized(msgspec.Struct, forbid_unknown_fields=True):
+    """Ids the proxy encoded itself, for a call whose upstream returned none (``token_source=retokenized``)."""
+
+    prompt_token_ids: list[int]
+    choices: list[RetokenizedChoice]
+
+
+class CaptureHeader(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One call's attribution, timings and outcome: what the proxy records beside the request and response.
+
+    The proxy builds it when a call arrives and fills in the outcome fields as the call ends; landing maps
+    it onto the ``model_calls`` columns of the same names. Optional fields are None where a call never got
+    that far (no upstream picked, no answer) or where a format-2 header did not say.
+    """
+
+    format: int = 2  # the proxy writes HEADER_FORMAT; a decoded header without the key is format 2
+    call_id: Id  # unique per call (random hex)
+    run_id: Id
+    iteration: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+    rollout_id: Id
+    seq: Count | None = None  # arrival order within the rollout (per proxy process)
+    api: str | None = None  # chat | completions | responses | messages | models | unknown
+    method: str | None = None
+    path: str | None = None  # path after the rollout prefix, e.g. /v1/chat/completions
+    query: str | None = None
+    stream: bool = False
+    http_status: Annotated[int, msgspec.Meta(ge=0, le=999)] | None = None  # status returned to the harness
+    status: CallStatusName | None = None
+    error: str | None = None
+    model: str | None = None
+    policy_version: Count | None = None  # the weights version the proxy stamped
+    t_start: Epoch | None = None  # epoch seconds
+    t_end: Epoch | None = None
+    upstream_ms: Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)] | None = None  # finite
+    request_changes: msgspec.Raw = NO_CHANGES  # JSON: fields the proxy added or changed before forwarding
+    token_source: TokenSourceName | None = None  # upstream | retokenized | none (None: landing decides)
+    retokenized: Retokenized | None = None  # set when token_source is retokenized
+    upstream: str | None = None  # replica URL used
+    response_partial: int | None = None  # bytes the upstream had sent when the recorded body replaces them
+
+
+# The header's fields about its call: all but the format and the byte count of a replaced response.
+HEADER_FIELDS = tuple(f for f in CaptureHeader.__struct_fields__ if f not in ("format", "response_partial"))
+_HEADER_DECODER = msgspec.json.Decoder(CaptureHeader)
+_ENCODER = msgspec.json.Encoder()
+
+
+def decode_header(raw: bytes, where: str = "") -> CaptureHeader:
+    """The typed header in ``raw`` (a JSON object); ``where`` (e.g. the segment and offset) prefixes errors.
+
+    Raises :class:`CaptureHeaderError` naming the field that is missing, unknown or of the wrong type.
+    """
+    try:
+        return _HEADER_DECODER.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise CaptureHeaderError(_header_problem(str(exc), where)) from exc
+    except msgspec.DecodeError as exc:
+        raise CaptureHeaderError(f"{where}: capture header is not JSON: {exc}" if where else str(exc)) from exc
+
+
+def _header_problem(msg: str, where: str) -> str:
+    """msgspec's validation message, said as which header field is wrong and what to do."""
+    prefix = f"{where}: " if where else ""
+    if msg.startswith("Object missing required field `"):
+        field = msg.split("`")[1]
+        return f"{prefix}capture header field {field} is missing (every record names its call, run, iteration, rollout)"
+    if msg.startswith("Object contains unknown field `"):
+        field = msg.split("`")[1]
+        return (
+            f"{prefix}capture header field {field} is unknown (a header holds the fields of "
+            "clawpipe.capture.CaptureHeader); land it with the clawpipe version that wrote it"
+        )
+    if " - at `$." in msg:
+        what, at = msg.split(" - at `$.", 1)
+        return f"{prefix}capture header field {at.rstrip('`')}: {what}"
+    return f"{prefix}capture header: {msg}"
 
 
 @dataclass(frozen=True, slots=True)
 class CaptureRecord:
-    header: dict[str, Any]
+    header: dict[str, Any]  # as written (JSON object); decode_header gives the typed CaptureHeader
     request: bytes
     response: bytes
     segment: str
@@ -102,9 +177,16 @@ class Damage:
     reason: str
 
 
-def encode_record(header: dict[str, Any], request: bytes, response: bytes) -> bytes:
-    """Frame one call. The result can be appended to a segment as is."""
-    h = json.dumps(header, separators=(",", ":"), default=str).encode()
+def encode_record(header: CaptureHeader | Mapping[str, Any], request: bytes, response: bytes) -> bytes:
+    """Frame one call. The result can be appended to a segment as is.
+
+    A :class:`CaptureHeader` is written typed (it names its format); a mapping is written as given, the way
+    format-2 proxies wrote their headers (tests use it for old and hostile records).
+    """
+    if isinstance(header, CaptureHeader):
+        h = _ENCODER.encode(header)
+    else:
+        h = json.dumps(header, separators=(",", ":"), default=str).encode()
     payload = b"".join((_U32.pack(len(h)), h, _U32.pack(len(request)), request, response))
     head = SYNC + struct.pack("<II", len(payload), zlib.crc32(payload))
     return head + _U32.pack(zlib.crc32(head)) + payload

@@ -19,6 +19,11 @@ class CaptureError(ClawpipeError):
     """A capture segment is unreadable beyond what torn-tail recovery can repair."""
 
 
+class CaptureHeaderError(CaptureError, ValueError):
+    """A capture record's header does not fit :class:`clawpipe.capture.CaptureHeader`; the message names the
+    field. One such record is rejected; the records around it land."""
+
+
 class KeyVerificationError(ClawpipeError):
     """A rollout key is missing, malformed or forged."""
 

@@ -26,13 +26,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from clawpipe import objstore, schemas, tables
+from clawpipe import capture, objstore, schemas, tables
 from clawpipe.lake import id_index, manifest, rows, sources
 from clawpipe.lake.parse import parse_response
 from clawpipe.tables import TMP_SUFFIX, LakeFS
@@ -79,10 +80,6 @@ def _check_part(value: Any, what: str) -> str:
     if what == "run_id" and not _SAFE_PART.match(value):
         raise ValueError(f"run_id {value!r} is not usable as a partition name (letters, digits, ._:@+-)")
     return value
-
-
-def _json_or_none(v: Any) -> str | None:
-    return None if v is None else orjson.dumps(v).decode()
 
 
 class _Partition:
@@ -248,41 +245,33 @@ class _Batch:
             manifest.checkpoint(self.lake, self.state)
 
 
-_CALL_STATUSES = frozenset(s.value for s in schemas.CallStatus)
-_TOKEN_SOURCES = frozenset(s.value for s in schemas.TokenSource)
-
-
-def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: bytes, seg: str, off: int) -> int:
+def _add_call(batch: _Batch, header: capture.CaptureHeader, request: bytes, response: bytes, seg: str, off: int) -> int:
     """Parse one record into rows of its partition; returns rows added (0 for a duplicate call).
 
-    Every value is checked against its column here (lists: their element types here, their ranges per
-    row group); a value that does not fit raises :class:`rows.BadValue` and the record is a reject.
+    Every value is checked against its column here (the header's by its struct; lists: their element types
+    here, their ranges per row group); a value that does not fit raises :class:`rows.BadValue` and the record
+    is a reject.
     """
-    call_id = _check_part(header.get("call_id"), "call_id")
-    run_id = header.get("run_id")  # checked when its partition is first met (batch.partition)
-    rollout_id = _check_part(header.get("rollout_id"), "rollout_id")
-    iteration = rows.int_value(header.get("iteration"), "header iteration")
-    if iteration is None:
-        raise rows.BadValue("header iteration is missing")
+    call_id, run_id, rollout_id, iteration = header.call_id, header.run_id, header.rollout_id, header.iteration
     part = batch.partition(run_id, iteration)
     if call_id in part.seen:
         return 0
-    api = rows.text(header.get("api")) or ""
-    stream = bool(rows.bool_value(header.get("stream"), "header stream"))
-    http_status = rows.int_value(header.get("http_status"), "header http_status", 0, 999)
-    status = rows.one_of(header.get("status"), "header status", _CALL_STATUSES)
+    api = header.api or ""
+    stream = header.stream
+    http_status = header.http_status
+    status: str | None = header.status
     parsed = parse_response(api, stream, response, http_status=http_status)
-    token_source = rows.one_of(header.get("token_source"), "header token_source", _TOKEN_SOURCES)
+    token_source: str | None = header.token_source
     prompt_ids = parsed.prompt_token_ids
     choice_ids: list[Any] = [c.token_ids for c in parsed.choices]
     choice_lps: list[Any] = [c.logprobs for c in parsed.choices]
     typed = parsed.typed
     if token_source == "retokenized":
-        retok = header.get("retokenized") or {}
-        prompt_ids = retok.get("prompt_token_ids")
-        rchoices = retok.get("choices") or []
+        retok = header.retokenized
+        prompt_ids = retok.prompt_token_ids if retok is not None else None
+        rchoices = retok.choices if retok is not None else []
         n = max(len(parsed.choices), len(rchoices))
-        choice_ids = [rchoices[i].get("token_ids") if i < len(rchoices) else None for i in range(n)]
+        choice_ids = [rchoices[i].token_ids if i < len(rchoices) else None for i in range(n)]
         choice_lps = [None] * n
         typed = False
     prompt_arr = rows.id_array(prompt_ids, "prompt_token_ids", typed)
@@ -292,10 +281,9 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
     if token_source is None:
         has_prompt = prompt_arr is not None or any(c.prompt_token_ids is not None for c in parsed.choices)
         token_source = "upstream" if has_prompt or any(x is not None for x in choice_ids) else "none"
-    t_start = rows.epoch_s(header.get("t_start"), "header t_start")
-    t_end = rows.epoch_s(header.get("t_end"), "header t_end")
+    t_start, t_end = header.t_start, header.t_end
     latency = (t_end - t_start) * 1000.0 if t_start is not None and t_end is not None else None
-    stamp = rows.int_value(header.get("policy_version"), "header policy_version", 0, rows.INT64_MAX)
+    stamp = header.policy_version
     engine_version = rows.int_value(parsed.policy_version, "response policy_version", 0, rows.INT64_MAX)
     # the engine knows which weights sampled the call; the proxy's stamp can lag a publish it was not told of
     policy_version = stamp if engine_version is None else engine_version
@@ -310,14 +298,13 @@ def _add_call(batch: _Batch, header: dict[str, Any], request: bytes, response: b
         prompt_tokens = len(prompt_arr)
     usage_completion = rows.int_value(parsed.completion_tokens, "usage completion_tokens")
     spliced = rows.int_value(parsed.spliced_tokens, "response spliced_tokens")
-    changes = _json_or_none(header.get("request_changes"))
-    error = rows.text(header.get("error") or parsed.error)
-    model = rows.text(header.get("model") or parsed.model)
+    changes_json = bytes(header.request_changes)
+    changes = None if changes_json == b"null" else changes_json.decode()
+    error = header.error or rows.text(parsed.error)
+    model = header.model or rows.text(parsed.model)
     t0 = None if t_start is None else int(t_start * 1_000_000)
     t1 = None if t_end is None else int(t_end * 1_000_000)
-    upstream_ms = rows.float_value(header.get("upstream_ms"), "header upstream_ms")
-    seq = rows.int_value(header.get("seq"), "header seq", 0, rows.INT64_MAX)
-    path = rows.text(header.get("path"))
+    upstream_ms, seq, path = header.upstream_ms, header.seq, header.path
     out = part.rows
     for i in range(n_rows):
         choice = parsed.choices[i] if i < len(parsed.choices) else None
@@ -414,8 +401,8 @@ def _damage_preview(f: Any, d: sources.Damage) -> str:
     return data.decode("utf-8", "replace")
 
 
-def _preview(header: dict[str, Any] | None, payload: bytes) -> str:
-    head = orjson.dumps(header).decode() if header is not None else ""
+def _preview(header: capture.CaptureHeader | None, payload: bytes) -> str:
+    head = msgspec.json.encode(header).decode() if header is not None else ""
     return f"{head} {payload[:_RECORD_PREVIEW].decode('utf-8', 'replace')}"
 
 
@@ -494,7 +481,8 @@ class _Lander:
                     continue
                 header = None
                 try:
-                    header, request, response = sources.decode_payload(item.payload)
+                    where = f"segment {seg.key}, record at offset {item.offset}"
+                    header, request, response = sources.decode_payload(item.payload, where)
                     rows = _add_call(batch, header, request, response, seg.key, item.offset)
                     if rows:
                         report.calls += 1

@@ -11,11 +11,14 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import orjson
 
-from clawpipe import capture
+from clawpipe import capture, schemas
+from clawpipe.errors import CaptureHeaderError
+from clawpipe.lake import rows
 
 _U32 = struct.Struct("<I")
 _READ_BUFFER = 1 << 20
@@ -74,21 +77,94 @@ def read_frames(f: Any, start: int, *, sealed: bool) -> Iterator[Frame | Damage]
     return capture.scan_frames(capture.FileSource(f), start, final=sealed)
 
 
-def decode_payload(payload: bytes) -> tuple[dict[str, Any], bytes, bytes]:
-    """(header, request, response) of a frame payload; raises ValueError when it is not well formed."""
+def decode_payload(payload: bytes, where: str = "") -> tuple[capture.CaptureHeader, bytes, bytes]:
+    """(header, request, response) of a frame payload; raises ValueError when it is not well formed.
+
+    ``where`` (the segment and the record's offset) is named in a header error.
+    """
     try:
         (hlen,) = _U32.unpack_from(payload, 0)
-        header = orjson.loads(payload[4 : 4 + hlen])
+        raw = payload[4 : 4 + hlen]
         pos = 4 + hlen
         (rlen,) = _U32.unpack_from(payload, pos)
-    except (struct.error, orjson.JSONDecodeError) as exc:
+    except struct.error as exc:
         raise ValueError(f"undecodable frame payload: {exc}") from exc
-    if not isinstance(header, dict):
-        raise ValueError("frame header is not a JSON object")
     pos += 4
     if pos + rlen > len(payload):
         raise ValueError("frame request length exceeds the payload")
-    return header, payload[pos : pos + rlen], payload[pos + rlen :]
+    return read_header(raw, where), payload[pos : pos + rlen], payload[pos + rlen :]
+
+
+def read_header(raw: bytes, where: str = "") -> capture.CaptureHeader:
+    """The typed header of a record; a format-2 header that does not fit the struct as written is coerced."""
+    try:
+        return capture.decode_header(raw, where)
+    except CaptureHeaderError:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"undecodable frame payload: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ValueError("frame header is not a JSON object") from None
+        if "format" in obj:  # a typed header: what is wrong with it is what decode_header said
+            raise
+        return _format2_header(obj, where)
+
+
+_FORMAT2_FIELDS = frozenset(capture.CaptureHeader.__struct_fields__) - {"format"}
+_CALL_STATUSES = frozenset(s.value for s in schemas.CallStatus)
+_TOKEN_SOURCES = frozenset(s.value for s in schemas.TokenSource)
+
+
+def _format2_header(h: dict[str, Any], where: str) -> capture.CaptureHeader:
+    """A format-2 header (a plain JSON object, written before headers were typed), its values coerced the way
+    landing always has: integral floats and decimal strings to numbers, anything to text in free-text
+    fields. A value that does not fit raises :class:`rows.BadValue` naming the field."""
+    unknown = h.keys() - _FORMAT2_FIELDS
+    if unknown:
+        prefix = f"{where}: " if where else ""
+        raise rows.BadValue(f"{prefix}capture header field {min(unknown)} is unknown")
+    iteration = rows.int_value(h.get("iteration"), "header iteration")
+    if iteration is None:
+        raise rows.BadValue("header iteration is missing")
+    token_source = rows.one_of(h.get("token_source"), "header token_source", _TOKEN_SOURCES)
+    retokenized = None
+    if token_source == "retokenized" and h.get("retokenized") is not None:
+        try:
+            retokenized = msgspec.convert(h["retokenized"], capture.Retokenized)
+        except msgspec.ValidationError as exc:
+            raise rows.BadValue(f"header retokenized: {exc}") from exc
+    return capture.CaptureHeader(
+        format=2,
+        call_id=_id(h.get("call_id"), "call_id"),
+        run_id=_id(h.get("run_id"), "run_id"),
+        iteration=iteration,
+        rollout_id=_id(h.get("rollout_id"), "rollout_id"),
+        seq=rows.int_value(h.get("seq"), "header seq", 0, rows.INT64_MAX),
+        api=rows.text(h.get("api")),
+        method=rows.text(h.get("method")),
+        path=rows.text(h.get("path")),
+        query=rows.text(h.get("query")),
+        stream=bool(rows.bool_value(h.get("stream"), "header stream")),
+        http_status=rows.int_value(h.get("http_status"), "header http_status", 0, 999),
+        status=cast(capture.CallStatusName | None, rows.one_of(h.get("status"), "header status", _CALL_STATUSES)),
+        error=rows.text(h.get("error")),
+        model=rows.text(h.get("model")),
+        policy_version=rows.int_value(h.get("policy_version"), "header policy_version", 0, rows.INT64_MAX),
+        t_start=rows.epoch_s(h.get("t_start"), "header t_start"),
+        t_end=rows.epoch_s(h.get("t_end"), "header t_end"),
+        upstream_ms=rows.float_value(h.get("upstream_ms"), "header upstream_ms"),
+        request_changes=msgspec.Raw(orjson.dumps(h.get("request_changes"))),
+        token_source=cast(capture.TokenSourceName | None, token_source),
+        retokenized=retokenized,
+        upstream=rows.text(h.get("upstream")),
+    )
+
+
+def _id(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise rows.BadValue(f"header {what} missing or not a string")
+    return value
 
 
 def list_results(captures_dir: Path) -> list[tuple[str, Path]]:

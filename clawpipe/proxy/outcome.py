@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from clawpipe.capture import CallStatusName
 from clawpipe.proxy import wire
 
 
@@ -26,7 +27,7 @@ class Outcome:
 class Verdict:
     """The capture header's fields and the response body to record (and send, when not streaming)."""
 
-    status: str  # CallStatus value
+    status: CallStatusName
     http_status: int
     error: str | None
     response: bytes

@@ -3,9 +3,8 @@
 Uses the served model's ``tokenizer.json`` (the ``tokenizers`` library) and its chat template (jinja2, as
 ``transformers`` renders it) — never ``transformers`` itself, which must stay out of the proxy. Runs in a
 worker thread before the capture write, so the event loop never tokenizes. Re-encoded ids are an
-approximation of what the sampler saw (docs/ARCHITECTURE.md, pitfalls: retokenization); the header marks them so the
-lake and
-the trainer can keep them apart.
+approximation of what the sampler saw (docs/ARCHITECTURE.md, pitfalls: retokenization); the header marks them so
+the lake and the trainer can keep them apart.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.apis import read_events, reassemble, request_messages, text_of
+from clawpipe.capture import Retokenized, RetokenizedChoice
 from clawpipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,14 +67,14 @@ class Retokenizer:
             bos_token=self.bos_token,
         )
 
-    def retokenize(self, api: str, request: bytes, response: bytes, stream: bool) -> dict[str, Any]:
-        """``{"prompt_token_ids": [...], "choices": [{"token_ids": [...]}]}`` for one captured call."""
+    def retokenize(self, api: str, request: bytes, response: bytes, stream: bool) -> Retokenized:
+        """The prompt's and each choice's ids for one captured call, encoded here."""
         req = json.loads(request)
         choices = _completions(api, response, stream)
         if api == "completions":
             prompt = req.get("prompt", "")
             prompt_ids = self.encode(prompt if isinstance(prompt, str) else "".join(map(str, prompt)))
-            return {"prompt_token_ids": prompt_ids, "choices": [{"token_ids": self.encode(t)} for t, _ in choices]}
+            return Retokenized(prompt_ids, [RetokenizedChoice(self.encode(t)) for t, _ in choices])
         messages, tools = request_messages(api, req)
         prompt_ids = self.encode(self.render(messages, tools, generation_prompt=True))
         out = []
@@ -82,8 +82,8 @@ class Retokenizer:
             body = text
             for call in tool_calls:
                 body += "<tool_call>" + json.dumps(call, ensure_ascii=False) + "</tool_call>"
-            out.append({"token_ids": self.encode(body + self.eos_token)})
-        return {"prompt_token_ids": prompt_ids, "choices": out}
+            out.append(RetokenizedChoice(self.encode(body + self.eos_token)))
+        return Retokenized(prompt_ids, out)
 
 
 def _token_text(tok: Any) -> str | None:

@@ -34,6 +34,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from clawpipe.capture import HEADER_FORMAT, CaptureHeader
 from clawpipe.errors import ClawpipeError, ConfigError, KeyVerificationError
 from clawpipe.keys import RolloutKey, verify_key
 from clawpipe.proxy import respond, wire
@@ -329,7 +332,7 @@ class ProxyServer:
             conn.write(wire.error_response(500, "internal proxy error", anthropic=False, keep_alive=False))
             conn.finish(False)
 
-    def _new_header(self, req: wire.Request, att: RolloutKey, path: str) -> tuple[dict[str, Any], str | None]:
+    def _new_header(self, req: wire.Request, att: RolloutKey, path: str) -> tuple[CaptureHeader, str | None]:
         """The capture header of a new call (its outcome fields filled in later) and its API."""
         api = ROUTES.get((req.method, path))
         if api is None and not path.startswith("/v1/"):  # a base URL given without /v1
@@ -341,36 +344,31 @@ class ProxyServer:
         if seq == 0 and len(self._seq) > 500_000:
             self._seq.clear()
         self._seq[rkey] = seq
-        header: dict[str, Any] = {
-            "call_id": os.urandom(16).hex(),
-            "run_id": att.run_id,
-            "iteration": att.iteration,
-            "rollout_id": att.rollout_id,
-            "seq": seq,
-            "api": api or "unknown",
-            "method": req.method,
-            "path": path,
-            "query": req.target.partition("?")[2],
-            "stream": False,
-            "http_status": 0,
-            "status": "ok",
-            "error": None,
-            "model": None,
-            "policy_version": self.policy_version,
-            "t_start": time.time(),
-            "t_end": 0.0,
-            "upstream_ms": None,
-            "request_changes": {},
-            "token_source": "none",
-            "upstream": None,
-        }
+        header = CaptureHeader(
+            format=HEADER_FORMAT,
+            call_id=os.urandom(16).hex(),
+            run_id=att.run_id,
+            iteration=att.iteration,
+            rollout_id=att.rollout_id,
+            seq=seq,
+            api=api or "unknown",
+            method=req.method,
+            path=path,
+            query=req.target.partition("?")[2],
+            http_status=0,
+            status="ok",
+            policy_version=self.policy_version,
+            t_start=time.time(),
+            t_end=0.0,
+            token_source="none",
+        )
         return header, api
 
     async def _model_call(
         self, conn: ClientConn, req: wire.Request, att: RolloutKey, path: str, anthropic: bool
     ) -> None:
         header, api = self._new_header(req, att, path)
-        call_id = header["call_id"]
+        call_id = header.call_id
         try:
             await self._run_call(conn, req, header, api, anthropic)
         except Exception as exc:  # a bug, not the call's fault: still answered, and captured exactly once
@@ -378,8 +376,8 @@ class ProxyServer:
             if call_id not in self._recorded and not conn.closed:
                 await self._fail(conn, req, header, 500, f"internal proxy error: {type(exc).__name__}", anthropic)
             elif call_id not in self._recorded:
-                header.update(status="http_error", http_status=500, error=f"internal proxy error: {exc!r}")
-                header["t_end"] = time.time()
+                header.status, header.http_status = "http_error", 500
+                header.error, header.t_end = f"internal proxy error: {exc!r}", time.time()
                 await self._capture(header, req.body, b"")
             else:
                 conn.write(wire.error_response(500, "internal proxy error", anthropic=anthropic, keep_alive=False))
@@ -388,9 +386,9 @@ class ProxyServer:
             self._recorded.discard(call_id)
 
     async def _run_call(
-        self, conn: ClientConn, req: wire.Request, header: dict[str, Any], api: str | None, anthropic: bool
+        self, conn: ClientConn, req: wire.Request, header: CaptureHeader, api: str | None, anthropic: bool
     ) -> None:
-        path = header["path"]
+        path = header.path or ""  # always set by _new_header
         if "too_large" in req.extra:
             limit = self.config.max_body_bytes
             msg = f"request body of {req.extra['too_large']} bytes exceeds the proxy limit of {limit} bytes"
@@ -420,12 +418,13 @@ class ProxyServer:
                 await self._fail(conn, req, header, 400, "request body must be a JSON object", anthropic)
                 return
             stream = obj.get("stream") is True
-            header["stream"] = stream
+            header.stream = stream
             model = obj.get("model")
-            header["model"] = model if isinstance(model, str) else None
+            header.model = model if isinstance(model, str) else None
             if api in TOKEN_APIS:
                 body, changes = prepare_body(api, body, obj)
-                header["request_changes"] = changes
+                if changes:
+                    header.request_changes = msgspec.Raw(msgspec.json.encode(changes))
         if self.paused:
             self.stats["paused_waits"] += 1
             try:
@@ -439,11 +438,11 @@ class ProxyServer:
                 await self._fail(conn, req, header, 503, "the proxy is shutting down; retry", anthropic)
                 return
             if conn.closed:  # captured all the same: every call that reached the proxy has a record
-                header.update(status="cancelled", http_status=499, t_end=time.time())
-                header["error"] = "client disconnected while the proxy was paused"
+                header.status, header.http_status, header.t_end = "cancelled", 499, time.time()
+                header.error = "client disconnected while the proxy was paused"
                 await self._capture(header, req.body, b"")
                 return
-            header["policy_version"] = self.policy_version
+            header.policy_version = self.policy_version
         self.in_flight += 1
         self._drained.clear()
         try:
@@ -457,7 +456,7 @@ class ProxyServer:
         self,
         conn: ClientConn,
         req: wire.Request,
-        header: dict[str, Any],
+        header: CaptureHeader,
         api: str,
         path: str,
         body: bytes,
@@ -470,20 +469,20 @@ class ProxyServer:
         )
         # the rollout, for the engine to carry its own sampled ids into the rollout's next prompts; a header of
         # that name from the client is never forwarded (only FORWARDED_REQUEST_HEADERS are)
-        fwd_headers += wire.rollout_header(header["run_id"], header["iteration"], header["rollout_id"])
-        query = header["query"]
+        fwd_headers += wire.rollout_header(header.run_id, header.iteration, header.rollout_id)
+        query = header.query
         target = path + "?" + query if query else path
         call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=self.config.max_response_bytes)
         conn.call = call
         t_up = time.perf_counter()
         last_error = ""
-        rid = header["rollout_id"]
+        rid = header.rollout_id
         tried: list[Replica] = []
         sent = False
         rep = self.replicas.pick(rid)
         while rep is not None:  # the first replica, then at most one other (see _exchange for when)
             tried.append(rep)
-            header["upstream"] = rep.url
+            header.upstream = rep.url
             raw = rep.request_bytes(req.method, target, fwd_headers, body if api != "models" else b"")
             rep.in_flight += 1  # no await between pick and here: concurrent picks see this call's load
             try:
@@ -510,7 +509,7 @@ class ProxyServer:
                     conn.call = call
             rep = nxt
         else:
-            header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
+            header.upstream_ms = (time.perf_counter() - t_up) * 1000
             if not tried:
                 msg = "every upstream replica is drained; undrain one (POST /admin/replicas/undrain) and retry"
                 await self._fail(conn, req, header, 503, msg, anthropic)
@@ -518,46 +517,45 @@ class ProxyServer:
                 await self._fail(conn, req, header, 502, last_error or "no upstream reachable", anthropic)
             return
         if self._stopping and not sent:  # waited for an upstream connection until the proxy stopped
-            header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
+            header.upstream_ms = (time.perf_counter() - t_up) * 1000
             msg = "the proxy shut down before the call reached an upstream; retry the call"
             await self._fail(conn, req, header, 503, msg, anthropic)
             return
-        header["upstream_ms"] = (time.perf_counter() - t_up) * 1000
+        header.upstream_ms = (time.perf_counter() - t_up) * 1000
         outcome = call.outcome
         verdict = judge(
-            Outcome(outcome, call.status, call.streaming, call.error, header["upstream"], call.size),
+            Outcome(outcome, call.status, call.streaming, call.error, header.upstream, call.size),
             b"".join(call.parts),
             anthropic=anthropic,
         )
         response = verdict.response
-        header.update(status=verdict.status, http_status=verdict.http_status, error=verdict.error)
-        if verdict.partial is not None:
-            header["response_partial"] = verdict.partial
+        header.status, header.http_status, header.error = verdict.status, verdict.http_status, verdict.error
+        header.response_partial = verdict.partial
         if verdict.status == "upstream_error":
             log.warning(
                 "upstream failed rollout_id=%s upstream=%s error=%s",
-                header["rollout_id"],
-                header["upstream"],
+                header.rollout_id,
+                header.upstream,
                 call.error,
             )
         if verdict.status == "ok" and api in TOKEN_APIS:
             if TOKEN_IDS_KEY in response:
-                header["token_source"] = "upstream"
+                header.token_source = "upstream"
             elif self._retok is not None:
                 try:
-                    header["retokenized"] = await loop.run_in_executor(
+                    header.retokenized = await loop.run_in_executor(
                         None, self._retok.retokenize, api, req.body, response, stream
                     )
-                    header["token_source"] = "retokenized"
+                    header.token_source = "retokenized"
                     self.stats["retokenized"] += 1
                 except Exception as exc:
-                    log.warning("retokenization failed call_id=%s error=%s", header["call_id"], exc)
+                    log.warning("retokenization failed call_id=%s error=%s", header.call_id, exc)
                     self.stats["retokenize_failed"] += 1
             else:
                 self.stats["no_ids"] += 1
-        header["t_end"] = time.time()
+        header.t_end = time.time()
         ok = await self._capture(header, req.body, response)
-        respond.after_call(conn, call, ok, req.keep_alive, header["http_status"], response, anthropic=anthropic)
+        respond.after_call(conn, call, ok, req.keep_alive, verdict.http_status, response, anthropic=anthropic)
 
     async def _exchange(self, rep: Replica, raw: bytes, call: Call, conn: ClientConn) -> bool:
         """Send one request to a replica; False when it was never sent (no connection could be had).
@@ -595,19 +593,19 @@ class ProxyServer:
         return True
 
     async def _fail(
-        self, conn: ClientConn, req: wire.Request, header: dict[str, Any], status: int, msg: str, anthropic: bool
+        self, conn: ClientConn, req: wire.Request, header: CaptureHeader, status: int, msg: str, anthropic: bool
     ) -> None:
         """Answer with an error in the API's shape and capture the failed call."""
         body = wire.error_body(status, msg, anthropic=anthropic)
-        header["http_status"] = status
-        header["status"] = "upstream_error" if status in (502, 504) else "http_error"
-        header["error"] = msg
-        header["t_end"] = time.time()
-        log.warning("call failed rollout_id=%s status=%d error=%s", header["rollout_id"], status, msg)
+        header.http_status = status
+        header.status = "upstream_error" if status in (502, 504) else "http_error"
+        header.error = msg
+        header.t_end = time.time()
+        log.warning("call failed rollout_id=%s status=%d error=%s", header.rollout_id, status, msg)
         await self._capture(header, req.body, body)
         respond.send_json(conn, status, body, req.keep_alive)
 
-    async def _capture(self, header: dict[str, Any], request: bytes, response: bytes) -> bool:
+    async def _capture(self, header: CaptureHeader, request: bytes, response: bytes) -> bool:
         """Record one call durably and count it by status; False when the record could not be written."""
         fut: asyncio.Future[bool] = self._loop.create_future()
 
@@ -615,13 +613,13 @@ class ProxyServer:
             if not fut.done():
                 fut.set_result(exc is None)
 
-        self._recorded.add(header["call_id"])
+        self._recorded.add(header.call_id)
         try:
             self.writer.submit(header, request, response, done)
         except ClawpipeError:
             fut.set_result(False)
         ok = await fut
-        self.stats[header["status"]] += 1
+        self.stats[header.status or "ok"] += 1
         self.stats["calls"] += 1
         return ok
 
