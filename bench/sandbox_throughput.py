@@ -179,7 +179,7 @@ def quantiles_ms(v: list[float]) -> dict[str, float] | None:
     """p10, p50, p90, p99 and the mean in ms."""
     if not v:
         return None
-    q = statistics.quantiles(v, n=100, method="inclusive")
+    q = statistics.quantiles(v, n=100, method="inclusive") if len(v) > 1 else v * 99
     return {
         "p10": round(q[9] * 1000, 2),
         "p50": round(statistics.median(v) * 1000, 2),
