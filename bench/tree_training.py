@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import psutil
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+from clawpipe.serving.policy import SIZES, build_qwen2
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import make_config
 from clawpipe.train.data import RolloutInfo
@@ -47,18 +47,7 @@ VOCAB = 512
 
 
 def small_policy(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    return build_qwen2(**SIZES["small"], vocab=VOCAB, max_positions=8192, seed=seed)
 
 
 def make_batch(args: argparse.Namespace):
@@ -129,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=1024, help="median prompt tokens (the shared task: a third)")
+    ap.add_argument("--prompt", type=int, default=768, help="median prompt tokens (the shared task: a third)")
     ap.add_argument("--turns", type=int, default=3, help="median calls per rollout")
     ap.add_argument("--completion", type=int, default=48, help="median sampled tokens per call")
     ap.add_argument("--context", type=int, default=3072, help="prompts that would pass it are compacted")
