@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import tomllib
@@ -104,3 +105,20 @@ def test_install_script_is_quick_when_installed(cli_installed: None) -> None:
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - t0 < 5
     assert proc.stderr == "", "nothing to do, nothing said"
+
+
+def test_the_mix_configs_shown_are_valid_and_the_cpu_one_is_what_the_test_runs() -> None:
+    """harnesses/REAL_HARNESSES.md's pipeline configs load and pass the run's prerequisite check (every
+    harness plays its task set), and one of them is the config test_mix_pipeline.py runs."""
+    from clawpipe.pipeline.config import PipelineConfig
+    from clawpipe.pipeline.stages import check_prerequisites
+    from tests.cli_harnesses.test_mix_pipeline import CONFIG
+
+    text = (REPO / "harnesses" / "REAL_HARNESSES.md").read_text()
+    shown = [tomllib.loads(block) for block in re.findall(r"```toml\n(.*?)```", text, re.S) if "[[harnesses]]" in block]
+    assert len(shown) == 2
+    assert tomllib.loads(CONFIG) in shown
+    for values in shown:
+        cfg = PipelineConfig.model_validate(values)
+        check_prerequisites(cfg)
+        assert {h.name for h in cfg.harnesses} == {*HARNESSES, "chat-loop"}
