@@ -238,3 +238,22 @@ def test_cli_follows_scripted_tool_calls_sent_in_small_chunks(
     conv1, conv2 = conversation(api, seen[0].json()), conversation(api, seen[1].json())
     assert conv2[: len(conv1)] == conv1 and "marker-42" in json.dumps(conv2[len(conv1) :])
     assert pids_in(workdir) == []
+
+
+def test_claude_notes_an_unknown_model_name_on_stderr_but_sends_no_other_call(
+    tmp_path: Path, cli_installed: None
+) -> None:
+    """Claude Code's `[claude-code:unrecognized_model]` line comes from its own model catalog: with a served
+    name it does not know, it makes the same single call as with a Claude name, under the served name."""
+    task = write_task(tmp_path / "task.json", "Reply with exactly these two words and nothing else: blue moon")
+    seen = {}
+    for model in ("clawpipe-policy", "claude-sonnet-4-5"):
+        workdir = tmp_path / model
+        with ScriptedUpstream(default=say("blue moon"), model=model) as up:
+            result = run_launcher("claude-code", harness_env(up.url, workdir, task, model=model), workdir)
+            seen[model] = [(r.method, r.path.rsplit("/v1/", 1)[-1], r.json()["model"]) for r in up.requests]
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads((workdir / "out" / "transcript.json").read_text()) == {"final": "blue moon"}
+        noted = f'[claude-code:unrecognized_model] {{"model":"{model}","query_source":"sdk"}}' in result.stderr
+        assert noted is (model == "clawpipe-policy"), result.stderr[-2000:]
+    assert seen == {m: [("POST", "messages", m)] for m in seen}
