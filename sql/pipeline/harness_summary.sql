@@ -1,14 +1,15 @@
 -- One run iteration's training rollouts per harness (latest attempt of each): rollouts, reward mean and
 -- standard deviation (population, as the trainer's reward/std/<harness>), model calls, prompt and completion
--- tokens (every call's own count: a shared prefix counts once per call), prompt ids the engine carried over
--- from earlier completions (spliced), and the drift and rewrite branches of the rollouts' trees.
+-- tokens (the calls' own counts, not their id lists, so the query stays cheap: a shared prefix counts once
+-- per call), prompt ids the engine carried over from earlier completions (spliced), and the drift and
+-- rewrite branches of the rollouts' trees.
 -- include: common/latest_rollouts
 with calls as (
     select
         rollout_id,
         count(*) filter (where choice_index = 0) as calls,
-        sum(coalesce(prompt_tokens, len(prompt_token_ids))) filter (where choice_index = 0) as prompt_tokens,
-        sum(coalesce(completion_tokens, len(completion_token_ids))) as completion_tokens,
+        sum(prompt_tokens) filter (where choice_index = 0) as prompt_tokens,
+        sum(completion_tokens) as completion_tokens,
         sum(coalesce(spliced_tokens, 0)) filter (where choice_index = 0) as spliced_tokens
     from model_calls
     where run_id = $run_id and iteration = $iteration
