@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import psutil
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+from clawpipe.serving.policy import SIZES, build_qwen2
 from clawpipe.train import distributed
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import make_config
@@ -40,18 +40,7 @@ VOCAB = 512
 
 
 def medium_policy() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    return build_qwen2(**SIZES["medium"], vocab=VOCAB, max_positions=4096, seed=0)
 
 
 def make_batch(groups: int):

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
-from clawpipe.serving.policy import init_policy
+from clawpipe.serving.policy import build_qwen2, init_policy
 from clawpipe.serving.server import start_server_process
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import make_config
@@ -40,34 +40,15 @@ from clawpipe.train.data import RolloutInfo
 from clawpipe.train.trainer import Trainer
 from tests.trees.training import build_tree
 
-QWEN2_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    tie_word_embeddings=True,
-)
+# build_qwen2's arguments: Qwen2-0.5B's shape, and a tiny one for the CPU smoke run
+QWEN2_05B = dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tie_embeddings=True)
+TINY = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512, tie_embeddings=True)
 FULL_SIZES = dict(groups=4, prompt=2048, turns=3, completion=128, tool=64, budget=16384, path=32768, seconds=20.0)
 SMOKE_SIZES = dict(groups=2, prompt=64, turns=2, completion=8, tool=4, budget=512, path=512, seconds=2.0)
 
 
 def policy(shape: dict[str, Any], max_positions: int, vocab: int | None = None) -> Any:
-    torch.manual_seed(0)
-    values = {**shape, "max_position_embeddings": max_positions}
-    if vocab is not None:
-        values["vocab_size"] = vocab
-    return AutoModelForCausalLM.from_config(Qwen2Config(**values), attn_implementation="sdpa", dtype=torch.float32)
+    return build_qwen2(**{**shape, "vocab": vocab or shape["vocab"]}, max_positions=max_positions, seed=0)
 
 
 def group_batch(sizes: dict[str, Any], vocab: int, device: str, **extra: Any):
@@ -121,7 +102,7 @@ def peak_mb(device: str) -> float | None:
 
 
 def training(shape: dict[str, Any], sizes: dict[str, Any], device: str) -> dict[str, Any]:
-    vocab = shape["vocab_size"]
+    vocab = shape["vocab"]
     batch, cfg = group_batch(sizes, vocab, device)
     model = policy(shape, sizes["path"] + 64)
     n_params = sum(p.numel() for p in model.parameters())

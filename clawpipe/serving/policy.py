@@ -1,7 +1,8 @@
 """The default policy: a byte-level BPE tokenizer and a Qwen2-style model built locally, with no download.
 
 `init_policy(dir, size, seed)` trains the tokenizer on a small built-in corpus (words, digits, JSON and
-tool-call text), builds a randomly initialised Qwen2 model from config and saves both with save_pretrained.
+tool-call text), builds a randomly initialised Qwen2 model from config (`build_qwen2`, also what tests and
+benches build their models with) and saves both with save_pretrained.
 `load_tokenizer` uses PreTrainedTokenizerFast.from_pretrained (never AutoTokenizer: on a qwen2 config it
 swaps in Qwen's pre-tokenizer and changes ids). `compute_logprobs` is the teacher-forced
 reference the engine's sampled logprobs must match.
@@ -36,31 +37,13 @@ TOOL_CALL_CLOSE = "</tool_call>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
 VOCAB_SIZE = 512
 
-# Sizes: tiny ~0.19M parameters, small ~3.4M, medium ~26M (GPU tests).
+# Sizes (build_qwen2's shape arguments): tiny ~0.19M parameters, small ~3.4M, medium ~26M (GPU tests).
 # Context is long because real harnesses send 40-80 KB prompts.
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": {
-        "hidden_size": 64,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
+    "tiny": {"hidden": 64, "intermediate": 256, "layers": 2, "heads": 4, "kv_heads": 2},
+    "small": {"hidden": 256, "intermediate": 768, "layers": 4, "heads": 8, "kv_heads": 4},
     # ~26M, head_dim 64: attention kernels of GPU engines (vLLM) need head sizes like 64/128
-    "medium": {
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
+    "medium": {"hidden": 512, "intermediate": 1536, "layers": 8, "heads": 8, "kv_heads": 4},
 }
 MAX_POSITIONS = 131072
 
@@ -248,18 +231,8 @@ def init_policy(dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     tokenizer = build_tokenizer(seed)
     eos_id = int(tokenizer.convert_tokens_to_ids(IM_END))  # type: ignore[arg-type]
     pad_id = int(tokenizer.convert_tokens_to_ids(ENDOFTEXT))  # type: ignore[arg-type]
-    shape: dict[str, Any] = dict(SIZES[size])
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=False,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        **shape,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    special = {"bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    model = build_qwen2(**SIZES[size], vocab=len(tokenizer), seed=seed, **special)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out)
@@ -267,6 +240,39 @@ def init_policy(dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     n_params = sum(p.numel() for p in model.parameters())
     log.info("policy initialised dir=%s size=%s seed=%d params=%d", out, size, seed, n_params)
     return out
+
+
+def build_qwen2(
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    max_positions: int = MAX_POSITIONS,
+    tie_embeddings: bool = False,
+    seed: int | None = 0,
+    attn: str = "sdpa",
+    **config: Any,
+) -> PreTrainedModel:
+    """A randomly initialised Qwen2-shaped causal LM in float32, the same weights for the same ``seed``
+    (None: leave torch's generator as it is). ``config``: further Qwen2Config fields (token ids)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_embeddings,
+        **config,
+    )
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    return model
 
 
 def load_tokenizer(dir: str | Path) -> PreTrainedTokenizerFast:

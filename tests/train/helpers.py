@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+from clawpipe.serving.policy import build_qwen2
 from clawpipe.train.data import RolloutInfo, TrainTree
 from tests.trees.training import build_tree
 
@@ -13,18 +13,8 @@ VOCAB = 48
 
 
 def tiny_model(seed: int = 0, attn: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    shape = {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 4, "kv_heads": 2}
+    return build_qwen2(**shape, vocab=VOCAB, max_positions=512, seed=seed, attn=attn)
 
 
 def random_group_trees(
