@@ -91,3 +91,21 @@ def read_events(body: bytes) -> list[SSEEvent]:
     """Every event of a complete SSE body, in order (an unterminated last event included)."""
     reader = SSEReader()
     return reader.feed(body) + reader.close()
+
+
+def json_events(body: bytes) -> list[dict[str, Any]]:
+    """The JSON objects a complete SSE body carries, in order: what :func:`clawpipe.apis.reassemble` takes.
+
+    The ``[DONE]`` marker and payloads that are not a JSON object (a torn last event) are left out.
+    """
+    events = []
+    for ev in read_events(body):
+        if ev.data.strip() == b"[DONE]":
+            continue
+        try:
+            obj = json.loads(ev.data)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            events.append(obj)
+    return events

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from clawpipe.apis import read_events, reassemble, request_messages, text_of
+from clawpipe.apis import json_events, reassemble, request_messages, text_of
 from clawpipe.capture import Retokenized, RetokenizedChoice
 from clawpipe.errors import ConfigError
 
@@ -94,7 +94,7 @@ def _token_text(tok: Any) -> str | None:
 
 def _completions(api: str, response: bytes, stream: bool) -> list[tuple[str, list[dict[str, Any]]]]:
     """Per choice: (text, tool calls as {"name", "arguments"}); a stream is read as the body it reassembles to."""
-    obj = reassemble(api, _stream_events(response)) if stream else json.loads(response)
+    obj = reassemble(api, json_events(response)) if stream else json.loads(response)
     if api == "chat":
         out = []
         for c in obj.get("choices", []):
@@ -116,21 +116,6 @@ def _completions(api: str, response: bytes, stream: bool) -> list[tuple[str, lis
         ]
         return [(text, calls)]
     return [_responses_output(obj)]
-
-
-def _stream_events(raw: bytes) -> list[dict[str, Any]]:
-    """The JSON events of a captured stream; ``[DONE]`` and undecodable payloads (a torn tail) left out."""
-    events = []
-    for ev in read_events(raw):
-        if ev.data.strip() == b"[DONE]":
-            continue
-        try:
-            obj = json.loads(ev.data)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            events.append(obj)
-    return events
 
 
 def _responses_output(obj: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:

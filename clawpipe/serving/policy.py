@@ -19,7 +19,7 @@ import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -37,9 +37,20 @@ TOOL_CALL_CLOSE = "</tool_call>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
 VOCAB_SIZE = 512
 
+
 # Sizes (build_qwen2's shape arguments): tiny ~0.19M parameters, small ~3.4M, medium ~26M (GPU tests).
 # Context is long because real harnesses send 40-80 KB prompts.
-SIZES: dict[str, dict[str, int]] = {
+class Qwen2Shape(TypedDict):
+    """The shape arguments of :func:`build_qwen2`."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+
+SIZES: dict[str, Qwen2Shape] = {
     "tiny": {"hidden": 64, "intermediate": 256, "layers": 2, "heads": 4, "kv_heads": 2},
     "small": {"hidden": 256, "intermediate": 768, "layers": 4, "heads": 8, "kv_heads": 4},
     # ~26M, head_dim 64: attention kernels of GPU engines (vLLM) need head sizes like 64/128
@@ -231,8 +242,9 @@ def init_policy(dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     tokenizer = build_tokenizer(seed)
     eos_id = int(tokenizer.convert_tokens_to_ids(IM_END))  # type: ignore[arg-type]
     pad_id = int(tokenizer.convert_tokens_to_ids(ENDOFTEXT))  # type: ignore[arg-type]
-    special = {"bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
-    model = build_qwen2(**SIZES[size], vocab=len(tokenizer), seed=seed, **special)
+    model = build_qwen2(
+        **SIZES[size], vocab=len(tokenizer), seed=seed, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
+    )
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out)

@@ -17,7 +17,6 @@ vLLM reports no policy_version: the proxy stamps calls with the version it was t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clawpipe.apis.sse import read_events
+from clawpipe.apis import json_events, reassemble
 from clawpipe.errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -152,48 +151,6 @@ def parse_chat_response(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_chat_stream(lines: list[str]) -> dict[str, Any]:
-    """Reassemble an SSE chat/completions stream (lines of `data: ...`) into what parse_chat_response gives."""
-    prompt_ids = None
-    acc: dict[int, dict[str, Any]] = {}
-    for event in read_events("\n".join(lines).encode()):
-        data = event.data.strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        if chunk.get("prompt_token_ids") is not None:
-            prompt_ids = chunk["prompt_token_ids"]
-        for ch in chunk.get("choices") or []:
-            c = acc.setdefault(
-                ch.get("index", 0),
-                {
-                    "index": ch.get("index", 0),
-                    "token_ids": [],
-                    "logprobs": [],
-                    "text": "",
-                    "tool_calls": {},
-                    "finish_reason": None,
-                },
-            )
-            lp_content = ((ch.get("logprobs") or {}).get("content")) or []
-            ids = ch.get("token_ids")
-            c["token_ids"] += list(ids) if ids is not None else [_token_id(e) for e in lp_content]
-            c["logprobs"] += [e["logprob"] for e in lp_content]
-            delta = ch.get("delta") or {}
-            c["text"] += delta.get("content") or ch.get("text") or ""
-            for tc in delta.get("tool_calls") or []:
-                slot = c["tool_calls"].setdefault(tc.get("index", 0), {"id": None, "name": "", "arguments": ""})
-                slot["id"] = tc.get("id") or slot["id"]
-                fn = tc.get("function") or {}
-                slot["name"] += fn.get("name") or ""
-                slot["arguments"] += fn.get("arguments") or ""
-            if ch.get("finish_reason"):
-                c["finish_reason"] = ch["finish_reason"]
-    choices = []
-    for i in sorted(acc):
-        c = acc[i]
-        c["tool_calls"] = [
-            {"id": t["id"], "type": "function", "function": {"name": t["name"], "arguments": t["arguments"]}}
-            for _, t in sorted(c["tool_calls"].items())
-        ]
-        choices.append(c)
-    return {"prompt_token_ids": prompt_ids, "choices": choices}
+    """An SSE chat/completions stream (its lines), read as :func:`parse_chat_response` reads the body the same
+    call returns unstreamed: the stream is reassembled into that body first (:func:`clawpipe.apis.reassemble`)."""
+    return parse_chat_response(reassemble("chat", json_events("\n".join(lines).encode())))
