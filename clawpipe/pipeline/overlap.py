@@ -3,13 +3,20 @@
 The rollout producer and the trainer meet at the lake: the trainer takes iteration k once every group of
 batch k has landed complete (``landed_batch``), and counts the calls it trains by age, the number of policy
 versions between the policy that sampled a call and the policy being trained (``call_ages``). The producer
-meets the trainer at the run state: it starts batch b only while b is at most ``lookahead`` batches ahead
-of the steps trained, so no call can be staler than the bound unless the bound is 0 (then the part of a
+meets the trainer at ``Overlap``: it starts batch b only while b is at most ``lookahead`` batches ahead of
+the steps published, so no call can be staler than the bound unless the bound is 0 (then the part of a
 batch that was sampled before the last publish is dropped and counted).
+
+A step's held-out evaluation runs beside the trainer's next step instead of before it: the next step
+trains at once and only its publish waits until the evaluation's rollouts are done (``Overlap.evaluating``),
+so every evaluation rollout runs on the policy it evaluates; steps are recorded in the run state in order.
+Both sides note when each stage ran (``Overlap.span``), relative to the start of the loop.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +41,11 @@ def expected_groups(cfg: PipelineConfig) -> int:
 class Overlap:
     """What the producer and the trainer of one run share in the flow's process.
 
-    ``state`` is the run state the trainer advances after each step (resume starts from it); ``trained`` and
-    ``policy_version`` move as soon as a step has published, so the producer need not wait for evaluation.
-    ``stop`` is set when either side fails, so the other stops at its next wait instead of waiting forever.
+    ``state`` is the run state, advanced in order once a step is reported (resume starts from it);
+    ``trained``, ``policy_version`` and ``policy_dir`` move as soon as a step has published, so neither the
+    producer nor the next step waits for evaluation. ``stop`` is set when either side fails, so the other
+    stops at its next wait instead of waiting forever. ``spans`` holds (side, stage, iteration, start, end)
+    in seconds since the loop started.
     """
 
     cfg: PipelineConfig
@@ -46,14 +55,49 @@ class Overlap:
     stop: str | None = None
     trained: int = -1  # steps whose policy is published (the step's evaluation may still be running)
     policy_version: int = -1  # the policy published last: what new batches are rolled out against
+    policy_dir: str = ""  # ... and its checkpoint, what the next step trains from
+    spans: list[tuple[str, str, int, float, float]] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+    _idle: threading.Event = field(default_factory=threading.Event)  # set while no evaluation runs
 
     def __post_init__(self) -> None:
+        self._idle.set()
         if self.trained < 0:
             self.trained, self.policy_version = self.state.next_iteration, self.state.policy_version
+            self.policy_dir = self.state.policy_dir
 
-    def published(self, steps: int, policy_version: int) -> None:
-        """A step's policy is live: later batches are rolled out against it and may start that much later."""
+    def published(self, steps: int, policy_version: int, policy_dir: str | None = None) -> None:
+        """A step's policy is live: later batches are rolled out against it and may start that much later,
+        and the next step trains from it."""
         self.trained, self.policy_version = steps, policy_version
+        self.policy_dir = policy_dir or self.policy_dir
+
+    def position(self) -> dict[str, Any]:
+        """Where the next step starts: the policy published last (its step may still be evaluating)."""
+        return {**self.state.position(), "policy_dir": self.policy_dir, "policy_version": self.policy_version}
+
+    def evaluating(self) -> None:
+        """An evaluation of the live policy starts: no publish until ``evaluated``."""
+        self._idle.clear()
+
+    def evaluated(self) -> None:
+        self._idle.set()
+
+    def wait_evaluated(self, poll_s: float = 0.5) -> float:
+        """Block (a step about to publish) until no evaluation runs; the seconds waited. Raises when a side
+        stopped meanwhile."""
+        t0 = time.monotonic()
+        while not self._idle.wait(poll_s):
+            self.check()
+        return time.monotonic() - t0
+
+    def span(self, side: str, stage: str, iteration: int, start: float) -> None:
+        """Note that ``stage`` of ``iteration`` ran from monotonic ``start`` until now."""
+        self.spans.append((side, stage, iteration, round(start - self.t0, 2), round(time.monotonic() - self.t0, 2)))
+
+    def spans_of(self, iteration: int) -> dict[str, list[float]]:
+        """The stages of one iteration, ``stage: [start, end]`` (the producer's as ``rollout``, ``land``)."""
+        return {stage: [start, end] for _, stage, it, start, end in self.spans if it == iteration}
 
     def may_start(self, batch: int) -> bool:
         return batch - self.trained <= lookahead(self.cfg)

@@ -137,14 +137,15 @@ def iteration_metrics(summary: dict[str, Any]) -> dict[str, float]:
 
 def overlap_metrics(overlap: dict[str, Any] | None) -> dict[str, float]:
     """An async step's staleness and waits: calls per age (``staleness/age_<a>``, the step's histogram),
-    calls trained and dropped, oldest and mean trained age, and the seconds each side waited for the other."""
+    calls trained and dropped, oldest and mean trained age, the seconds each side waited for the other and
+    the seconds the step's publish waited for the previous step's evaluation (``wait/publish_s``)."""
     if not overlap:
         return {}
     metrics = {f"staleness/age_{age}": float(n) for age, n in overlap["ages"].items()}
     for key in ("trained_calls", "dropped_calls", "max_age", "mean_age"):
         metrics[f"staleness/{key}"] = float(overlap[key])
     metrics["staleness/skipped_step"] = float(bool(overlap.get("skipped")))
-    for key in ("trainer_wait_s", "producer_wait_s"):
+    for key in ("trainer_wait_s", "producer_wait_s", "publish_wait_s"):
         if overlap.get(key) is not None:
             metrics[f"wait/{key[:-7]}_s"] = float(overlap[key])
     return metrics

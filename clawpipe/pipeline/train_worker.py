@@ -20,6 +20,7 @@ launcher; the import time it pays per step is small next to a step that needs se
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -113,6 +114,11 @@ class TrainWorker:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
 
+    def start(self) -> None:
+        """Start the child now (it imports the trainer before reading its first request)."""
+        with self._lock:
+            self._start()
+
     def step(self, request: dict[str, Any]) -> None:
         with self._lock:
             proc = self._start()
@@ -187,6 +193,18 @@ def close_worker(run_id: str) -> None:
         worker.close()
 
 
+def _import_trainer() -> None:
+    """Pay the imports of a step (torch, transformers, MLflow) before the first request arrives: a child
+    started ahead of its first step (TrainWorker.start) imports while the flow still rolls out."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from clawpipe.config import prepare_environment
+
+        prepare_environment()
+        for module in ("clawpipe.tracking", "clawpipe.train.step"):
+            importlib.import_module(module)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _import_trainer()
     serve(sys.stdin, sys.stdout)

@@ -1,15 +1,18 @@
 """The async loop end to end: a rollout producer and a trainer overlapping on real sandboxes (process backend),
 the capture proxy, the engine, the lake, the trees and the trainer, with MLflow and Prefect.
 
-Run A (max_staleness 1): batches overlap training (batch 1 starts before the first publish), every rollout and
-call lands once, no trained call is more than one version old, and the staleness histogram and waits reach
-MLflow. Run B (max_staleness 0, killed after its first step, then resumed): the calls sampled before the
-last publish are dropped, counted by the step and by the trainer exactly as the lake counts them, and the
-resumed run loses and duplicates nothing.
+Run A (max_staleness 1, a held-out evaluation after every step): batches overlap training (batch 1 starts
+before the first publish), every rollout and call lands once, no trained call is more than one version old,
+the staleness histogram and waits reach MLflow, and each evaluation runs beside the next step's training
+without blocking it, while every evaluation call is served by the policy it evaluates. Run B (max_staleness
+0, killed after its first step, then resumed): the calls sampled before the last publish are dropped,
+counted by the step and by the trainer exactly as the lake counts them, and the resumed run loses and
+duplicates nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -35,12 +38,13 @@ groups = 2
 samples = 2
 concurrency = 4
 backend = "process"
-eval_tasks = 0
+{evaluation}
 train = {{ learning_rate = 0.002, epochs = 1 }}
 [[harnesses]]
 name = "chat-loop"
 task_set = "guess"
 """
+EVAL_EVERY_STEP = "eval_tasks = 1\neval_samples = 1\neval_every = 1"
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,7 @@ def _stale_in_lake(q: Any, iteration: int, oldest: int) -> int:
 
 def test_async_run_overlaps_and_bounds_staleness(home: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "a.toml"
-    cfg.write_text(CONFIG.format(name="a", staleness=1))
+    cfg.write_text(CONFIG.format(name="a", staleness=1, evaluation=EVAL_EVERY_STEP))
     out = tmp_path / "a.json"
     proc = subprocess.run(
         [sys.executable, "-m", "clawpipe", "run", "--config", str(cfg), "--summary-out", str(out)],
@@ -97,11 +101,22 @@ def test_async_run_overlaps_and_bounds_staleness(home: Path, tmp_path: Path) -> 
     steps = [s["overlap"] for s in summary["iterations"]]
     assert [s["policy_version"] for s in summary["iterations"]] == [1, 2, 3]
     # overlap: batch 1 was rolled out while step 0 trained, so its rollouts started at policy_version 0
-    assert q("select distinct policy_version from rollouts where run_id=$r and iteration=1") == [(0,)]
+    assert q("select distinct policy_version from rollouts where run_id=$r and iteration=1 and not eval") == [(0,)]
     for it, step in enumerate(steps):
         assert step["max_age"] <= 1 and step["dropped_calls"] == 0
         assert step["trained_calls"] == sum(step["ages"].values()) > 0
         assert step["trained_calls"] == _stale_in_lake(q, it, 10**9)
+    # evaluation: every call of step k's held-out rollouts was served by the policy step k published (the next
+    # publish waited for them), and the next step's training did not wait for it
+    assert q(
+        "select r.iteration, min(c.policy_version), max(c.policy_version), count(distinct r.rollout_id) "
+        "from model_calls c join rollouts r using (rollout_id) where c.run_id=$r and r.eval group by 1 order by 1"
+    ) == [(0, 1, 1, 2), (1, 2, 2, 2), (2, 3, 3, 2)]
+    spans = [step["spans"] for step in steps]
+    for before, after in itertools.pairwise(spans):
+        assert after["publish"][0] >= before["evaluate"][1]
+    assert any(after["train"][0] < before["evaluate"][1] for before, after in itertools.pairwise(spans))
+    assert [s["eval_sampled_reward_mean"] is not None for s in summary["iterations"]] == [True] * 3
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{home.resolve() / 'mlflow.db'}")
@@ -115,7 +130,7 @@ def test_async_run_overlaps_and_bounds_staleness(home: Path, tmp_path: Path) -> 
 
 def test_async_drops_stale_calls_and_resumes_exactly_once(home: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "b.toml"
-    cfg.write_text(CONFIG.format(name="b", staleness=0))
+    cfg.write_text(CONFIG.format(name="b", staleness=0, evaluation="eval_tasks = 0"))
     with open(tmp_path / "b.log", "wb") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "clawpipe", "run", "--config", str(cfg)],

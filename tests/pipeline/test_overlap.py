@@ -38,6 +38,47 @@ def test_producer_runs_at_most_lookahead_batches_ahead(staleness: int, ahead: in
     assert ov.Overlap(cfg=shared.cfg, state=state).trained == 1
 
 
+def test_next_step_trains_from_the_policy_published_last() -> None:
+    state = RunState(run_id="r", config={}, policy_dir="/p/v0", mlflow_run_id="m")
+    shared = ov.Overlap(cfg=_cfg(), state=state)
+    assert shared.position() == {"policy_dir": "/p/v0", "policy_version": 0, "mlflow_run_id": "m"}
+    shared.published(1, 1, "/p/v1")  # step 0 published; its evaluation and report may still run
+    assert shared.position() == {"policy_dir": "/p/v1", "policy_version": 1, "mlflow_run_id": "m"}
+    assert (state.policy_dir, state.policy_version) == ("/p/v0", 0)  # recorded only once reported
+
+
+def test_publish_waits_while_an_evaluation_runs() -> None:
+    import threading
+    import time
+
+    shared = ov.Overlap(cfg=_cfg(), state=RunState(run_id="r", config={}, policy_dir="/p"))
+    assert shared.wait_evaluated() < 0.1  # nothing evaluating: no wait
+    shared.evaluating()
+    threading.Timer(0.6, shared.evaluated).start()
+    t0 = time.monotonic()
+    waited = shared.wait_evaluated(poll_s=0.05)
+    assert 0.5 < waited < 5 and time.monotonic() - t0 >= 0.5
+    shared.evaluating()
+    threading.Timer(0.2, lambda: setattr(shared, "stop", "producer failed: boom")).start()
+    with pytest.raises(ClawpipeError, match="producer failed: boom"):  # a failed side never leaves it waiting
+        shared.wait_evaluated(poll_s=0.05)
+
+
+def test_spans_are_kept_per_iteration() -> None:
+    import time
+
+    shared = ov.Overlap(cfg=_cfg(), state=RunState(run_id="r", config={}, policy_dir="/p"))
+    shared.span("producer", "rollout", 0, shared.t0)
+    shared.span("producer", "rollout", 1, shared.t0)
+    time.sleep(0.05)
+    started = time.monotonic()
+    time.sleep(0.05)
+    shared.span("trainer", "train", 0, started)
+    spans = shared.spans_of(0)
+    assert set(spans) == {"rollout", "train"}
+    assert spans["rollout"][0] == 0 and 0.04 <= spans["train"][0] < spans["train"][1]
+
+
 def test_a_stopped_side_stops_the_other() -> None:
     shared = ov.Overlap(cfg=_cfg(), state=RunState(run_id="r", config={}, policy_dir="/p"))
     shared.check()
@@ -66,6 +107,7 @@ def test_overlap_record_becomes_mlflow_metrics() -> None:
             **ov.staleness({0: 5, 1: 3}, 1),
             "trainer_wait_s": 1.5,
             "producer_wait_s": None,
+            "publish_wait_s": 0.25,
             "skipped": False,
         },
     }
@@ -73,6 +115,7 @@ def test_overlap_record_becomes_mlflow_metrics() -> None:
     assert metrics["staleness/age_0"] == 5 and metrics["staleness/age_1"] == 3
     assert metrics["staleness/dropped_calls"] == 0 and metrics["wait/trainer_s"] == 1.5
     assert "wait/producer_s" not in metrics and metrics["staleness/skipped_step"] == 0
+    assert metrics["wait/publish_s"] == 0.25  # the publish that waited for the previous step's evaluation
     assert not any(k.startswith(("staleness/", "wait/")) for k in iteration_metrics({**summary, "overlap": None}))
 
 
