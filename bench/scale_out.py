@@ -70,7 +70,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def fan_out_child(rollouts: int, shard_size: int, upstream: str, batch: str) -> None:
     """Child process body (the pipeline's side): fan one batch out over the pool; print seconds and rows."""
     from clawpipe.config import get_settings
-    from clawpipe.pipeline import shards
+    from clawpipe.pipeline import fanout
     from clawpipe.pipeline.config import HarnessEntry, PipelineConfig
     from clawpipe.pipeline.stages import sample_specs
     from flows.rollout_shard import PrefectShards, ensure_deployment
@@ -91,7 +91,7 @@ def fan_out_child(rollouts: int, shard_size: int, upstream: str, batch: str) -> 
     runner = PrefectShards("bench-rollouts")
     t0 = time.perf_counter()
     with runner.client:
-        out = shards.fan_out(cfg, specs, runner=runner, settings=get_settings(), batch_id=batch, upstreams=[upstream])
+        out = fanout.fan_out(cfg, specs, runner=runner, settings=get_settings(), batch_id=batch, upstreams=[upstream])
     print(json.dumps({"seconds": time.perf_counter() - t0, "rows": out["n"], "statuses": out["statuses"]}))
 
 

@@ -29,7 +29,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact  #
 from prefect.cache_policies import INPUTS, TASK_SOURCE  # noqa: E402
 from prefect.runtime import flow_run, task_run  # noqa: E402
 
-from clawpipe.pipeline import report, shards, stages  # noqa: E402
+from clawpipe.pipeline import fanout, report, stages  # noqa: E402
 from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
 from clawpipe.pipeline.faults import inject_fault  # noqa: E402
 from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
@@ -77,7 +77,7 @@ def rollout_batch(
 @task(name="land_batch", retries=3, retry_delay_seconds=[1, 5, 20], timeout_seconds=1800)
 def land_batch(iteration: int) -> dict[str, Any]:
     """Land new capture records and rollout results into the lake (idempotent)."""
-    landed = shards.land_run(get_settings())  # from the object store's capture prefix when the lake is there
+    landed = fanout.land_run(get_settings())  # from the object store's capture prefix when the lake is there
     get_run_logger().info("it %d landed %s", iteration, {k: v for k, v in landed.items() if isinstance(v, int)})
     inject_fault("land_batch", iteration)
     return landed

@@ -1,8 +1,9 @@
 """The ``rollout-shard`` flow: one shard of a rollout batch, run on a worker host of a work pool.
 
 The pipeline's rollout stage (``rollout_pool`` set) submits each shard with ``run_deployment`` to the
-``rollout-shard/rollout-shard`` deployment on the pool and watches it (clawpipe/pipeline/shards.py has
-the rules: splitting, heartbeats, reruns under new ids). On the worker host, the flow holds its slots
+``rollout-shard/rollout-shard`` deployment on the pool and watches it (the rules: splitting and the
+worker's side in clawpipe/pipeline/shards.py, heartbeats and reruns under new ids in
+clawpipe/pipeline/fanout.py). On the worker host, the flow holds its slots
 of the host's Prefect global concurrency limit ``sandboxes-<host>`` (created with the host's slot
 count, ``CLAWPIPE_HOST_SLOTS``, if absent) for as long as its sandboxes run, so every run on the host
 shares one cap; the slots are leased, so a worker killed while holding them frees them when the lease
@@ -41,7 +42,7 @@ from prefect.states import Crashed  # noqa: E402
 
 from clawpipe import objstore  # noqa: E402
 from clawpipe.errors import ConfigError  # noqa: E402
-from clawpipe.pipeline import shards  # noqa: E402
+from clawpipe.pipeline import fanout, shards  # noqa: E402
 from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
 from clawpipe.pipeline.services import upstreams_of  # noqa: E402
 
@@ -100,8 +101,12 @@ def rollout_shard(request: dict[str, Any]) -> dict[str, Any]:
         slots,
         limit_name(settings),
     )
-    with concurrency(limit_name(settings), occupy=occupy, lease_duration=LEASE_S, strict=True):
-        done = shards.run_shard(req, settings, concurrency=occupy)
+    done = shards.run_shard(
+        req,
+        settings,
+        concurrency=occupy,
+        hold=lambda: concurrency(limit_name(settings), occupy=occupy, lease_duration=LEASE_S, strict=True),
+    )
     logger.info("shard %s: reward %.3f, statuses %s", req.key, done["reward_mean"], done["statuses"])
     return done
 
@@ -123,7 +128,7 @@ def ensure_deployment(pool: str) -> str:
 
 _STATES = {
     StateType.SCHEDULED: "pending",
-    StateType.PENDING: "pending",
+    StateType.PENDING: "starting",  # a worker took it and is starting its process
     StateType.PAUSED: "pending",
     StateType.RUNNING: "running",
     StateType.CANCELLING: "running",
@@ -135,7 +140,7 @@ _STATES = {
 
 
 class PrefectShards:
-    """Shards as flow runs of the rollout-shard deployment (a :class:`clawpipe.pipeline.shards.ShardRunner`)."""
+    """Shards as flow runs of the rollout-shard deployment (a :class:`clawpipe.pipeline.fanout.ShardRunner`)."""
 
     def __init__(self, pool: str) -> None:
         self.pool = pool
@@ -168,7 +173,7 @@ def fan_out_batch(cfg: PipelineConfig, specs: list[Any], *, proxy_url: str, batc
     upstreams = upstreams_of(proxy_url, settings.admin())
     runner = PrefectShards(cfg.rollout_pool)
     with runner.client:
-        return shards.fan_out(cfg, specs, runner=runner, settings=settings, batch_id=batch_id, upstreams=upstreams)
+        return fanout.fan_out(cfg, specs, runner=runner, settings=settings, batch_id=batch_id, upstreams=upstreams)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,12 @@ class PipelineConfig(BaseModel):
     shard_timeout_s: float = Field(
         default=3600.0, gt=0, description="A shard not finished this long after submission is given up and rerun."
     )
+    shard_start_s: float = Field(
+        default=300.0,
+        ge=5,
+        description="A shard taken by a worker whose heartbeat has not appeared this long after (its worker died "
+        "while starting it) is given up and rerun.",
+    )
     shard_stall_s: float = Field(
         default=60.0,
         ge=5,

@@ -9,16 +9,17 @@ lake. A row in the store therefore always has its calls in the store, and a shar
 leaves no row at all: its partial calls land, but training leaves out calls whose rollout has no result
 row, so they never mix into a trained sequence.
 
-The pipeline (:func:`fan_out`) watches each shard: finished (its flow run ended), dead (its heartbeat in
-the lake stopped for ``shard_stall_s``) or late (``shard_timeout_s``). Every rollout of a shard that ended
-without its row is run again in a new shard, on any worker, as ``<id>.a<N>`` in the same GRPO group
-(:func:`attempt_id`, the rule the in-process stage uses for retries), where N counts the batch's attempts
-on disk, so an id is never reused. A shard given up is fenced (a marker in the lake it checks before
-uploading its rows), so one that was only slow cannot add rows after its rollouts were rerun.
+The pipeline (clawpipe/pipeline/fanout.py) watches each shard through its flow run and its heartbeat in
+the lake; every rollout of a shard that ended without its row runs again in a new shard, on any worker,
+as ``<id>.a<N>`` in the same GRPO group (:func:`attempt_id`, the rule the in-process stage uses for
+retries), where N counts the batch's attempts on disk, so an id is never reused. A shard given up is
+fenced (a marker in the lake it checks before uploading its rows), so one that was only slow cannot add
+rows after its rollouts were rerun.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -26,8 +27,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from clawpipe import objstore
 from clawpipe.config import Settings
@@ -36,7 +38,6 @@ from clawpipe.errors import ConfigError, SandboxError
 log = logging.getLogger(__name__)
 
 SHARDS_DIR = "_shards"  # under the lake root: heartbeats and fences of shards
-FINAL = ("completed", "failed")
 
 
 # --- splitting and attempt ids ------------------------------------------------------------------------
@@ -146,7 +147,8 @@ class ShardRequest:
         return cls(**params)
 
 
-def _lake_uri(settings: Settings) -> str:
+def lake_uri_of(settings: Settings) -> str:
+    """The object-store lake a fanned-out run needs (every host reads and writes it)."""
     lake = settings.lake_uri or ""
     if not objstore.is_remote(lake):
         raise ConfigError(
@@ -207,20 +209,25 @@ class Heartbeat:
         self.beat(**final)
 
 
-def run_shard(req: ShardRequest, settings: Settings, *, concurrency: int) -> dict[str, Any]:
+def run_shard(
+    req: ShardRequest,
+    settings: Settings,
+    *,
+    concurrency: int,
+    hold: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> dict[str, Any]:
     """Run one shard on this host (called by the rollout-shard flow); returns the stage's summary.
+
+    The heartbeat starts first, so a shard waiting in ``hold()`` (the host's sandbox slots) shows alive.
 
     Rollouts go through this host's capture proxy (started on first use). When they are done, the proxy
     seals and uploads its captures; then the shard's result rows are uploaded, unless the pipeline fenced
     this attempt meanwhile. Raises on any failure, leaving no rows, so the pipeline reruns the shard.
     """
     from clawpipe.pipeline.config import PipelineConfig
-    from clawpipe.pipeline.services import host_proxy, set_policy_version
     from clawpipe.pipeline.stages import sample_specs, summarize_results
-    from clawpipe.proxy.upload import request_flush
-    from clawpipe.sandbox.runner import run_rollouts
 
-    lake = _lake_uri(settings)
+    lake = lake_uri_of(settings)
     cfg = PipelineConfig.model_validate(req.cfg)
     host = objstore.host_id(settings.captures_dir)
     every = {
@@ -236,34 +243,13 @@ def run_shard(req: ShardRequest, settings: Settings, *, concurrency: int) -> dic
     beat = Heartbeat(shard_state_path(lake, req, ".json"), {"host": host, "total": len(specs)}, req.heartbeat_s)
     beat.start()
     try:
-        admin = settings.admin()
-        proxy_url = host_proxy(settings.root, req.upstreams, admin)
-        set_policy_version(proxy_url, admin, req.policy_version)
-        local = settings.root / "shards" / req.run_id / str(req.iteration) / f"results-{req.key}.jsonl"
-        local.unlink(missing_ok=True)  # an attempt's ids are new: nothing earlier belongs in its file
-        options: dict[str, Any] = {"timeout_s": cfg.rollout_timeout_s} if cfg.rollout_timeout_s else {}
-        results = run_rollouts(
-            specs,
-            proxy_url=proxy_url,
-            backend=cfg.backend,
-            concurrency=concurrency,
-            results_path=local,
-            progress=beat.progress,
-            max_attempts=1,
-            batch_id=req.key,
-            **options,
-        )
-        report = request_flush(settings.captures_dir)
-        if report is None or not report.get("ok"):
-            raise SandboxError(
-                f"shard {req.key}: the host proxy's captures are not all in the store ({report}); "
-                "its rows stay unpublished and the pipeline reruns the shard"
-            )
-        fs, _ = objstore.filesystem(lake)
-        if fs.exists(objstore.filesystem(shard_state_path(lake, req, ".fenced"))[1]):
+        with hold():
+            results = _run_and_flush(req, settings, cfg, specs, concurrency, beat)
+        if _exists(shard_state_path(lake, req, ".fenced")):
             raise SandboxError(f"shard {req.key} was given up by the pipeline (fenced); its rows are not published")
-        fs_rows, path = objstore.filesystem(results_url(lake, host, req))
-        fs_rows.pipe_file(path, local.read_bytes())
+        local = _local_results(settings, req)
+        fs, path = objstore.filesystem(results_url(lake, host, req))
+        fs.pipe_file(path, local.read_bytes())  # rows last: their calls are in the store already
     except BaseException:
         beat.stop(state="failed")
         raise
@@ -273,198 +259,45 @@ def run_shard(req: ShardRequest, settings: Settings, *, concurrency: int) -> dic
     return summarize_results(rows)
 
 
-# --- the pipeline's side ------------------------------------------------------------------------------
+def _local_results(settings: Settings, req: ShardRequest) -> Path:
+    """The shard's rows on this host: outside the captures folder, so only the shard itself uploads them."""
+    return settings.root / "shards" / req.run_id / str(req.iteration) / f"results-{req.key}.jsonl"
 
 
-class ShardRunner(Protocol):
-    """Where shards run (flows/rollout_shard.py: flow runs of a deployment on a work pool)."""
-
-    def submit(self, req: ShardRequest) -> str: ...
-
-    def state(self, handle: str) -> str: ...  # "pending" | "running" | "completed" | "failed"
-
-    def give_up(self, handle: str, reason: str) -> None: ...
-
-
-def read_batch_rows(lake_uri: str, run_id: str, iteration: int, batch_id: str) -> dict[str, dict[str, Any]]:
-    """Result rows of every shard of a batch in the store, by rollout id (a final row wins over an infra error)."""
-    fs, root = objstore.filesystem(objstore.captures_url(lake_uri))
-    rows: dict[str, dict[str, Any]] = {}
-    for path in sorted(fs.glob(f"{root}/results/*/{run_id}/{iteration}/results-{batch_id}.s*.jsonl")):
-        for line in fs.cat_file(path).splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            rid = str(row["rollout_id"])
-            if rid not in rows or rows[rid].get("status") == "infra_error":
-                rows[rid] = row
-    return rows
-
-
-@dataclasses.dataclass
-class _Live:
-    req: ShardRequest
-    submitted: float
-    beat: str = ""
-    changed: float = 0.0
-
-
-@dataclasses.dataclass
-class FanOut:
-    """One batch fanned out over a runner; :meth:`run` returns the stage's summary."""
-
-    cfg: Any  # PipelineConfig
-    specs: list[Any]
-    runner: ShardRunner
-    lake_uri: str
-    batch_id: str
-    upstreams: list[str]
-    counter: AttemptCounter
-    max_attempts: int = 3
-    poll_s: float = 2.0
-    clock: Callable[[], float] = time.monotonic
-    sleep: Callable[[float], None] = time.sleep
-    submitted: list[ShardRequest] = dataclasses.field(default_factory=list)
-    given_up: list[str] = dataclasses.field(default_factory=list)
-
-    def run(self) -> dict[str, Any]:
-        from clawpipe.pipeline.stages import summarize_results
-
-        if not self.specs:
-            return summarize_results([])
-        first = self.specs[0]
-        self.run_id, self.iteration = first.run_id, first.iteration
-        self.policy_version, self.evaluation = first.policy_version or 0, bool(first.eval)
-        ids = [s.id for s in self.specs]
-        attempt = self.counter.next()
-        kept, todo = plan(ids, self._final_rows(), attempt)
-        self.current = {sid: attempt_ids(sid, attempt)[-1] for sid in ids}
-        self.tries = dict.fromkeys(ids, 0)
-        if kept:
-            log.info("batch %s: %d rollouts already have rows, %d to run", self.batch_id, len(kept), len(todo))
-        live: dict[str, _Live] = {}
-        self._submit(todo, attempt, live)
-        while live:
-            self.sleep(self.poll_s)
-            for handle in list(live):
-                if self._ended(handle, live[handle]):
-                    req = live.pop(handle).req
-                    self._rerun(req, live)
-        rows = self._final_rows(include_infra=True)
-        missing = [sid for sid in ids if self.current[sid] not in rows and sid not in kept]
-        if missing:
-            raise SandboxError(
-                f"batch {self.batch_id}: {len(missing)} rollouts have no result after {self.max_attempts} attempts "
-                f"(first: {missing[0]}; shards given up: {self.given_up[:3]}); see the rollout-shard flow runs"
-            )
-        chosen = [kept[sid] if sid in kept else rows[self.current[sid]] for sid in ids]
-        return summarize_results(chosen)
-
-    def _final_rows(self, include_infra: bool = False) -> dict[str, dict[str, Any]]:
-        rows = read_batch_rows(self.lake_uri, self.run_id, self.iteration, self.batch_id)
-        return {k: v for k, v in rows.items() if include_infra or v.get("status") != "infra_error"}
-
-    def _submit(self, todo: list[tuple[str, str]], attempt: int, live: dict[str, _Live]) -> None:
-        shard_count = len(self.submitted)
-        for k, part in enumerate(split(todo, self.cfg.shard_size)):
-            req = ShardRequest(
-                cfg=self.cfg.model_dump(mode="json"),
-                run_id=self.run_id,
-                iteration=self.iteration,
-                batch_id=self.batch_id,
-                index=shard_count + k,
-                attempt=attempt,
-                policy_version=self.policy_version,
-                evaluation=self.evaluation,
-                rollout_ids=dict(part),
-                upstreams=self.upstreams,
-                heartbeat_s=max(1.0, self.cfg.shard_stall_s / 4),
-            )
-            for sid, rid in part:
-                self.current[sid] = rid
-                self.tries[sid] += 1
-            handle = self.runner.submit(req)
-            self.submitted.append(req)
-            live[handle] = _Live(req, submitted=self.clock())
-            log.info("batch %s: shard %s (%d rollouts) submitted as %s", self.batch_id, req.key, len(part), handle)
-
-    def _ended(self, handle: str, shard: _Live) -> bool:
-        state = self.runner.state(handle)
-        now = self.clock()
-        if state in FINAL:
-            if state == "failed":
-                log.warning("batch %s: shard %s ended %s", self.batch_id, shard.req.key, state)
-            return True
-        reason = ""
-        if now - shard.submitted > self.cfg.shard_timeout_s:
-            reason = f"not finished within shard_timeout_s={self.cfg.shard_timeout_s:.0f}"
-        elif state == "running":
-            beat = self._heartbeat(shard.req)
-            if beat != shard.beat or not shard.changed:
-                shard.beat, shard.changed = beat, now
-            elif now - shard.changed > self.cfg.shard_stall_s:
-                reason = (
-                    f"heartbeat stopped for {now - shard.changed:.0f}s (shard_stall_s={self.cfg.shard_stall_s:.0f})"
-                )
-        if not reason:
-            return False
-        self._fence(shard.req)
-        self.runner.give_up(handle, f"shard {shard.req.key}: {reason}; its rollouts run again elsewhere")
-        self.given_up.append(shard.req.key)
-        log.warning("batch %s: shard %s given up: %s", self.batch_id, shard.req.key, reason)
-        return True
-
-    def _heartbeat(self, req: ShardRequest) -> str:
-        fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".json"))
-        try:
-            return str(fs.cat_file(path).decode())
-        except FileNotFoundError:
-            return ""
-
-    def _fence(self, req: ShardRequest) -> None:
-        fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".fenced"))
-        fs.pipe_file(path, b"given up")
-
-    def _rerun(self, req: ShardRequest, live: dict[str, _Live]) -> None:
-        rows = self._final_rows()
-        todo = [sid for sid, rid in req.rollout_ids.items() if rid not in rows]
-        retry = [sid for sid in todo if self.tries[sid] < self.max_attempts]
-        if not todo:
-            return
-        log.warning(
-            "batch %s: shard %s ended with %d of %d rollouts unfinished; rerunning %d under new ids",
-            self.batch_id,
-            req.key,
-            len(todo),
-            len(req.rollout_ids),
-            len(retry),
-        )
-        if retry:
-            attempt = self.counter.next()
-            self._submit([(sid, attempt_id(sid, attempt)) for sid in retry], attempt, live)
-
-
-def fan_out(
-    cfg: Any, specs: list[Any], *, runner: ShardRunner, settings: Settings, batch_id: str, upstreams: list[str]
-) -> dict[str, Any]:
-    """Run a batch's specs as shards on ``runner``; returns the stage's summary (see :class:`FanOut`)."""
-    if not specs:
-        from clawpipe.pipeline.stages import summarize_results
-
-        return summarize_results([])
-    counter = AttemptCounter(settings.runs_dir / specs[0].run_id / "shards" / f"{batch_id}.attempt")
-    return FanOut(cfg, specs, runner, _lake_uri(settings), batch_id, upstreams, counter).run()
-
-
-def land_run(settings: Settings) -> dict[str, Any]:
-    """Land what is new. With an object-store lake the captures are read from its capture prefix, where every
-    host's proxy uploads (this host's own proxy is flushed first, so its open segment is there too)."""
-    from clawpipe.lake import land
-    from clawpipe.proxy.segments import upload_url_from_env
+def _run_and_flush(
+    req: ShardRequest, settings: Settings, cfg: Any, specs: list[Any], concurrency: int, beat: Heartbeat
+) -> list[Any]:
+    """The shard's rollouts through the host's proxy, then that proxy's captures sealed and in the store."""
+    from clawpipe.pipeline.services import host_proxy, set_policy_version
     from clawpipe.proxy.upload import request_flush
+    from clawpipe.sandbox.runner import run_rollouts
 
-    lake = settings.lake_uri or ""
-    if not objstore.is_remote(lake) or upload_url_from_env() is None:  # captures stay on this host's disk
-        return land(settings.captures_dir, settings.lake_dir).as_dict()
-    request_flush(settings.captures_dir)
-    return land(objstore.captures_url(lake), lake).as_dict()
+    admin = settings.admin()
+    proxy_url = host_proxy(settings.root, req.upstreams, admin)
+    set_policy_version(proxy_url, admin, req.policy_version)
+    local = _local_results(settings, req)
+    local.unlink(missing_ok=True)  # an attempt's ids are new: nothing earlier belongs in its file
+    options: dict[str, Any] = {"timeout_s": cfg.rollout_timeout_s} if cfg.rollout_timeout_s else {}
+    results = run_rollouts(
+        specs,
+        proxy_url=proxy_url,
+        backend=cfg.backend,
+        concurrency=concurrency,
+        results_path=local,
+        progress=beat.progress,
+        max_attempts=1,
+        batch_id=req.key,
+        **options,
+    )
+    report = request_flush(settings.captures_dir)
+    if report is None or not report.get("ok"):
+        raise SandboxError(
+            f"shard {req.key}: the host proxy's captures are not all in the store ({report}); "
+            "its rows stay unpublished and the pipeline reruns the shard"
+        )
+    return results
+
+
+def _exists(url: str) -> bool:
+    fs, path = objstore.filesystem(url)
+    return bool(fs.exists(path))

@@ -23,7 +23,7 @@ from clawpipe import objstore
 from clawpipe.config import Settings
 from clawpipe.errors import ConfigError, SandboxError
 from clawpipe.net import free_port
-from clawpipe.pipeline import shards
+from clawpipe.pipeline import fanout, shards
 from clawpipe.pipeline.config import HarnessEntry, PipelineConfig
 from clawpipe.pipeline.stages import sample_specs
 from tests.support.s3 import s3_bucket, s3_server  # noqa: F401
@@ -75,7 +75,7 @@ def test_shard_request_travels_as_plain_json() -> None:
 def test_a_fanned_out_run_needs_an_object_store_lake(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path, lake_uri=str(tmp_path / "lake"))
     with pytest.raises(ConfigError, match="CLAWPIPE_LAKE_URI"):
-        shards._lake_uri(settings)
+        shards.lake_uri_of(settings)
 
 
 def test_worker_hosts_reach_the_policy_server_by_the_advertised_name() -> None:
@@ -93,18 +93,20 @@ def test_worker_hosts_reach_the_policy_server_by_the_advertised_name() -> None:
 
 class ScriptedRunner:
     """Shards "run" by writing their rows to the lake; the ones named in ``stall`` start, beat once, then stop
-    beating (a killed worker whose flow run stays RUNNING)."""
+    beating (a killed worker whose flow run stays RUNNING); those in ``starting`` stay taken by a worker and
+    never beat (a worker killed while starting the flow run's process: it stays PENDING)."""
 
-    def __init__(self, lake: str, stall: set[int]) -> None:
-        self.lake, self.stall = lake, stall
+    def __init__(self, lake: str, stall: set[int], starting: frozenset[int] = frozenset()) -> None:
+        self.lake, self.stall, self.starting = lake, stall, starting
         self.reqs: dict[str, shards.ShardRequest] = {}
         self.given_up: dict[str, str] = {}
 
     def submit(self, req: shards.ShardRequest) -> str:
         handle = f"h{len(self.reqs)}"
         self.reqs[handle] = req
-        fs, path = fsspec.core.url_to_fs(shards.shard_state_path(self.lake, req, ".json"))
-        fs.pipe_file(path, b'{"beat": 1}')
+        if req.index not in self.starting:
+            fs, path = fsspec.core.url_to_fs(shards.shard_state_path(self.lake, req, ".json"))
+            fs.pipe_file(path, b'{"beat": 1}')
         return handle
 
     def state(self, handle: str) -> str:
@@ -113,6 +115,8 @@ class ScriptedRunner:
             return "failed"
         if req.index in self.stall:
             return "running"
+        if req.index in self.starting:
+            return "starting"
         rows = "".join(
             json.dumps({"rollout_id": rid, "status": "ok", "reward": 1.0, "harness": "chat-loop"}) + "\n"
             for rid in req.rollout_ids.values()
@@ -137,7 +141,7 @@ def test_a_stalled_shard_is_fenced_and_rerun_under_new_ids(tmp_path: Path) -> No
     def sleep(s: float) -> None:
         now[0] += s
 
-    fan = shards.FanOut(
+    fan = fanout.FanOut(
         cfg, specs, runner, lake, "rollout-0", ["http://u/v1"], shards.AttemptCounter(tmp_path / "attempt"),
         clock=lambda: now[0], sleep=sleep,
     )  # fmt: skip
@@ -158,6 +162,31 @@ def test_a_stalled_shard_is_fenced_and_rerun_under_new_ids(tmp_path: Path) -> No
     assert fs.exists(path)  # a late upload by the stalled shard is refused by the shard itself
 
 
+def test_a_shard_taken_by_a_worker_that_died_starting_it_is_rerun(tmp_path: Path) -> None:
+    cfg = PipelineConfig(
+        groups=1,
+        samples=4,
+        shard_size=2,
+        shard_stall_s=10,
+        shard_start_s=30,
+        backend="process",
+        eval_tasks=0,
+        harnesses=CHAT_LOOP,
+    )
+    specs = sample_specs(cfg, "run1", 0, policy_version=0)
+    lake = f"memory://lake-{uuid.uuid4().hex[:8]}"
+    runner = ScriptedRunner(lake, stall=set(), starting=frozenset({0}))
+    now = [0.0]
+    fan = fanout.FanOut(
+        cfg, specs, runner, lake, "rollout-0", [], shards.AttemptCounter(tmp_path / "attempt"),
+        clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
+    )  # fmt: skip
+    assert fan.run()["n"] == 4
+    assert fan.given_up == ["rollout-0.s0.a1"] and "no heartbeat" in runner.given_up["h0"]
+    assert 30 < now[0] < 40  # the longer start allowance, not shard_stall_s, applied before any heartbeat
+    assert list(fan.submitted[-1].rollout_ids.values()) == [f"{sid}.a2" for sid in fan.submitted[0].rollout_ids]
+
+
 def test_a_batch_whose_shards_never_finish_fails_clearly(tmp_path: Path) -> None:
     cfg = PipelineConfig(
         groups=1, samples=2, shard_size=2, shard_stall_s=5, backend="process", eval_tasks=0, harnesses=CHAT_LOOP
@@ -166,7 +195,7 @@ def test_a_batch_whose_shards_never_finish_fails_clearly(tmp_path: Path) -> None
     lake = f"memory://lake-{uuid.uuid4().hex[:8]}"
     runner = ScriptedRunner(lake, stall={0, 1, 2})
     now = [0.0]
-    fan = shards.FanOut(
+    fan = fanout.FanOut(
         cfg, specs, runner, lake, "rollout-0", [], shards.AttemptCounter(tmp_path / "attempt"),
         clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
     )  # fmt: skip
@@ -188,7 +217,7 @@ backend = "process"
 concurrency = 1
 rollout_pool = "rollouts"
 shard_size = 4
-shard_stall_s = 12
+shard_stall_s = 10
 [[harnesses]]
 name = "chat-loop"
 task_set = "guess"
@@ -265,7 +294,7 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
         _wait_for_server(api, server, tmp_path / "server.log")
         for name in ("hostA", "hostB"):
             host_env = {**env, "CLAWPIPE_HOME": str(homes[name]), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / f"c-{name}")}
-            cmd = [*cli, "worker", "--pool", "rollouts", "--slots", "2"]
+            cmd = [*cli, "worker", "--pool", "rollouts", "--slots", "2", "--limit", "1"]  # one shard at a time
             procs[name] = _spawn(cmd, host_env, tmp_path / f"{name}.log")
         cfg = tmp_path / "fanout.toml"
         cfg.write_text(FANOUT_CONFIG)
@@ -277,6 +306,10 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
         assert procs["run"].wait(timeout=500) == 0, (tmp_path / "run.log").read_text()[-6000:]
         result = json.loads(summary.read_text())
         run_id = result["run_id"]
+        for name in ("hostA", "hostB"):  # each host's sandbox cap is a Prefect global limit with its slots
+            host = objstore.host_id(homes[name] / "captures")
+            limit = httpx.get(f"{api}/v2/concurrency_limits/sandboxes-{host}", timeout=10).json()
+            assert limit["limit"] == 2
     finally:
         for name, p in procs.items():
             if p.poll() is None:
@@ -313,10 +346,13 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
     assert rows["n"] == rows["d"] == 2 * 2 * 4  # every rollout row once: 2 iterations x 2 groups x 4 samples
     groups = run_sql(lake, f"select group_id, count(*) n from rollouts where run_id = '{run_id}' group by 1")
     assert sorted(g["n"] for g in groups.to_pylist()) == [4, 4, 4, 4]  # every group complete
+    fs_shards, shards_root = objstore.filesystem(f"{lake}/{shards.SHARDS_DIR}/{run_id}/0")
+    fenced = [p.rsplit("/", 1)[-1] for p in fs_shards.glob(f"{shards_root}/*.fenced")]
+    assert f"{killed['key']}.fenced" in fenced  # the killed shard was given up ...
     rerun = one(
         f"select count(*) n from rollouts where run_id = '{run_id}' and iteration = 0 and rollout_id like '%.a_'"
     )
-    assert rerun["n"] == 4  # the killed shard's rollouts, run again under new ids in their groups
+    assert rerun["n"] == 4 * len(fenced)  # ... and its rollouts (4 a shard) ran again under new ids in their groups
     cut = (
         run_sql(
             lake,

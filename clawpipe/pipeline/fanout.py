@@ -1,0 +1,240 @@
+"""The pipeline's side of a fanned-out rollout batch: submit shards, watch them, rerun what they left undone.
+
+:class:`FanOut` splits the batch (clawpipe/pipeline/shards.py), submits each shard to a
+:class:`ShardRunner` (flows/rollout_shard.py: flow runs of the rollout-shard deployment) and polls it:
+
+- ended (completed, failed, crashed): done;
+- taken by a worker but without a heartbeat for ``shard_start_s`` (the worker died while starting it:
+  the flow run stays PENDING), or running with a heartbeat unchanged for ``shard_stall_s`` (its worker
+  was killed, so nobody reports the end): given up;
+- not finished ``shard_timeout_s`` after submission: given up.
+
+A shard given up is fenced (a marker it checks before uploading its rows) and marked crashed. The
+rollouts of an ended shard that have no result row in the store run again in a new shard as
+``<id>.a<N>`` (N: the batch's attempt counter on disk), at most ``max_attempts`` times each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from clawpipe import objstore
+from clawpipe.config import Settings
+from clawpipe.errors import SandboxError
+from clawpipe.pipeline.shards import (
+    AttemptCounter,
+    ShardRequest,
+    attempt_id,
+    attempt_ids,
+    lake_uri_of,
+    plan,
+    shard_state_path,
+    split,
+)
+
+log = logging.getLogger(__name__)
+
+FINAL = ("completed", "failed")
+TAKEN = ("starting", "running")  # a worker has the shard: its heartbeat is expected
+
+
+class ShardRunner(Protocol):
+    """Where shards run (flows/rollout_shard.py: flow runs of a deployment on a work pool)."""
+
+    def submit(self, req: ShardRequest) -> str: ...
+
+    def state(self, handle: str) -> str: ...  # "pending" | "starting" | "running" | "completed" | "failed"
+
+    def give_up(self, handle: str, reason: str) -> None: ...
+
+
+def read_batch_rows(lake_uri: str, run_id: str, iteration: int, batch_id: str) -> dict[str, dict[str, Any]]:
+    """Result rows of every shard of a batch in the store, by rollout id (a final row wins over an infra error)."""
+    fs, root = objstore.filesystem(objstore.captures_url(lake_uri))
+    rows: dict[str, dict[str, Any]] = {}
+    for path in sorted(fs.glob(f"{root}/results/*/{run_id}/{iteration}/results-{batch_id}.s*.jsonl")):
+        for line in fs.cat_file(path).splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            rid = str(row["rollout_id"])
+            if rid not in rows or rows[rid].get("status") == "infra_error":
+                rows[rid] = row
+    return rows
+
+
+@dataclasses.dataclass
+class _Live:
+    req: ShardRequest
+    submitted: float
+    beat: str = ""
+    changed: float = 0.0
+
+
+@dataclasses.dataclass
+class FanOut:
+    """One batch fanned out over a runner; :meth:`run` returns the stage's summary."""
+
+    cfg: Any  # PipelineConfig
+    specs: list[Any]
+    runner: ShardRunner
+    lake_uri: str
+    batch_id: str
+    upstreams: list[str]
+    counter: AttemptCounter
+    max_attempts: int = 3
+    poll_s: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    submitted: list[ShardRequest] = dataclasses.field(default_factory=list)
+    given_up: list[str] = dataclasses.field(default_factory=list)
+
+    def run(self) -> dict[str, Any]:
+        from clawpipe.pipeline.stages import summarize_results
+
+        if not self.specs:
+            return summarize_results([])
+        first = self.specs[0]
+        self.run_id, self.iteration = first.run_id, first.iteration
+        self.policy_version, self.evaluation = first.policy_version or 0, bool(first.eval)
+        ids = [s.id for s in self.specs]
+        attempt = self.counter.next()
+        kept, todo = plan(ids, self._final_rows(), attempt)
+        self.current = {sid: attempt_ids(sid, attempt)[-1] for sid in ids}
+        self.tries = dict.fromkeys(ids, 0)
+        if kept:
+            log.info("batch %s: %d rollouts already have rows, %d to run", self.batch_id, len(kept), len(todo))
+        live: dict[str, _Live] = {}
+        self._submit(todo, attempt, live)
+        while live:
+            self.sleep(self.poll_s)
+            for handle in list(live):
+                if self._ended(handle, live[handle]):
+                    req = live.pop(handle).req
+                    self._rerun(req, live)
+        rows = self._final_rows(include_infra=True)
+        missing = [sid for sid in ids if self.current[sid] not in rows and sid not in kept]
+        if missing:
+            raise SandboxError(
+                f"batch {self.batch_id}: {len(missing)} rollouts have no result after {self.max_attempts} attempts "
+                f"(first: {missing[0]}; shards given up: {self.given_up[:3]}); see the rollout-shard flow runs"
+            )
+        chosen = [kept[sid] if sid in kept else rows[self.current[sid]] for sid in ids]
+        return summarize_results(chosen)
+
+    def _final_rows(self, include_infra: bool = False) -> dict[str, dict[str, Any]]:
+        rows = read_batch_rows(self.lake_uri, self.run_id, self.iteration, self.batch_id)
+        return {k: v for k, v in rows.items() if include_infra or v.get("status") != "infra_error"}
+
+    def _submit(self, todo: list[tuple[str, str]], attempt: int, live: dict[str, _Live]) -> None:
+        shard_count = len(self.submitted)
+        for k, part in enumerate(split(todo, self.cfg.shard_size)):
+            req = ShardRequest(
+                cfg=self.cfg.model_dump(mode="json"),
+                run_id=self.run_id,
+                iteration=self.iteration,
+                batch_id=self.batch_id,
+                index=shard_count + k,
+                attempt=attempt,
+                policy_version=self.policy_version,
+                evaluation=self.evaluation,
+                rollout_ids=dict(part),
+                upstreams=self.upstreams,
+                heartbeat_s=max(1.0, self.cfg.shard_stall_s / 4),
+            )
+            for sid, rid in part:
+                self.current[sid] = rid
+                self.tries[sid] += 1
+            handle = self.runner.submit(req)
+            self.submitted.append(req)
+            live[handle] = _Live(req, submitted=self.clock())
+            log.info("batch %s: shard %s (%d rollouts) submitted as %s", self.batch_id, req.key, len(part), handle)
+
+    def _ended(self, handle: str, shard: _Live) -> bool:
+        state = self.runner.state(handle)
+        now = self.clock()
+        if state in FINAL:
+            if state == "failed":
+                log.warning("batch %s: shard %s ended %s", self.batch_id, shard.req.key, state)
+            return True
+        reason = ""
+        if now - shard.submitted > self.cfg.shard_timeout_s:
+            reason = f"not finished within shard_timeout_s={self.cfg.shard_timeout_s:.0f}"
+        elif state in TAKEN:
+            beat = self._heartbeat(shard.req)
+            if not shard.changed:
+                shard.changed = now  # first seen taken: the start allowance runs from here
+            if beat != shard.beat:
+                shard.beat, shard.changed = beat, now
+            quiet = now - shard.changed
+            if not shard.beat and quiet > self.cfg.shard_start_s:
+                reason = f"taken, no heartbeat for {quiet:.0f}s (shard_start_s={self.cfg.shard_start_s:.0f})"
+            elif shard.beat and quiet > self.cfg.shard_stall_s:
+                reason = f"heartbeat stopped for {quiet:.0f}s (shard_stall_s={self.cfg.shard_stall_s:.0f})"
+        if not reason:
+            return False
+        self._fence(shard.req)
+        self.runner.give_up(handle, f"shard {shard.req.key}: {reason}; its rollouts run again elsewhere")
+        self.given_up.append(shard.req.key)
+        log.warning("batch %s: shard %s given up: %s", self.batch_id, shard.req.key, reason)
+        return True
+
+    def _heartbeat(self, req: ShardRequest) -> str:
+        fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".json"))
+        try:
+            return str(fs.cat_file(path).decode())
+        except FileNotFoundError:
+            return ""
+
+    def _fence(self, req: ShardRequest) -> None:
+        fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".fenced"))
+        fs.pipe_file(path, b"given up")
+
+    def _rerun(self, req: ShardRequest, live: dict[str, _Live]) -> None:
+        rows = self._final_rows()
+        todo = [sid for sid, rid in req.rollout_ids.items() if rid not in rows]
+        retry = [sid for sid in todo if self.tries[sid] < self.max_attempts]
+        if not todo:
+            return
+        log.warning(
+            "batch %s: shard %s ended with %d of %d rollouts unfinished; rerunning %d under new ids",
+            self.batch_id,
+            req.key,
+            len(todo),
+            len(req.rollout_ids),
+            len(retry),
+        )
+        if retry:
+            attempt = self.counter.next()
+            self._submit([(sid, attempt_id(sid, attempt)) for sid in retry], attempt, live)
+
+
+def fan_out(
+    cfg: Any, specs: list[Any], *, runner: ShardRunner, settings: Settings, batch_id: str, upstreams: list[str]
+) -> dict[str, Any]:
+    """Run a batch's specs as shards on ``runner``; returns the stage's summary (see :class:`FanOut`)."""
+    if not specs:
+        from clawpipe.pipeline.stages import summarize_results
+
+        return summarize_results([])
+    counter = AttemptCounter(settings.runs_dir / specs[0].run_id / "shards" / f"{batch_id}.attempt")
+    return FanOut(cfg, specs, runner, lake_uri_of(settings), batch_id, upstreams, counter).run()
+
+
+def land_run(settings: Settings) -> dict[str, Any]:
+    """Land what is new. With an object-store lake the captures are read from its capture prefix, where every
+    host's proxy uploads (this host's own proxy is flushed first, so its open segment is there too)."""
+    from clawpipe.lake import land
+    from clawpipe.proxy.segments import upload_url_from_env
+    from clawpipe.proxy.upload import request_flush
+
+    lake = settings.lake_uri or ""
+    if not objstore.is_remote(lake) or upload_url_from_env() is None:  # captures stay on this host's disk
+        return land(settings.captures_dir, settings.lake_dir).as_dict()
+    request_flush(settings.captures_dir)
+    return land(objstore.captures_url(lake), lake).as_dict()
