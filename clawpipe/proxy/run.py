@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.proxy.config import ProxyConfig
-from clawpipe.proxy.server import ProxyServer, new_event_loop
+from clawpipe.proxy.loop import new_event_loop
+from clawpipe.proxy.server import ProxyServer
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ def run_proxy(config: ProxyConfig | None = None, /, **kwargs: Any) -> None:
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
 
-    async def main() -> None:
-        await proxy.open()
+    def ready() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, proxy.request_stop)
@@ -46,11 +46,8 @@ def run_proxy(config: ProxyConfig | None = None, /, **kwargs: Any) -> None:
             tmp = Path(f"{proxy.config.ready_file}.tmp")
             tmp.write_text(proxy.url)
             tmp.replace(proxy.config.ready_file)  # readers never see a half-written URL
-        assert proxy._stop_event is not None
-        await proxy._stop_event.wait()
-        await proxy.close()
 
     try:
-        loop.run_until_complete(main())
+        loop.run_until_complete(proxy.serve_until_stopped(ready))
     finally:
         loop.close()

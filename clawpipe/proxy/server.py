@@ -1,20 +1,18 @@
 """The capture proxy: an OpenAI/Anthropic-compatible HTTP/1.1 front of the policy servers that records calls.
 
-Each call is attributed to its rollout by a key (:mod:`clawpipe.keys`) in the path (``/r/<key>/v1/...``)
-or as the bearer / ``x-api-key`` token; it is forwarded to one upstream replica (the least loaded, then sticky
-per rollout: :mod:`~clawpipe.proxy.replicas`) with ``return_token_ids``/``logprobs`` added, streamed back
-byte for byte, and appended to a capture segment (:mod:`clawpipe.proxy.segments`). Durability guarantee: the
-response of a non-streamed call, and the final bytes of a streamed one (the chunk holding its end marker and
-the chunked terminator), are released to the harness only after the call's record is fsynced: a call whose
-response reached the harness is on disk.
-Every call with a valid key that was read whole is captured exactly once, whatever its end (upstream error,
-response over the size limit, body over the budget, shutdown, an internal error); requests that cannot be
-framed, that never finish arriving, or that exceed the connection cap are answered without a record.
+This module is its lifecycle and control: :class:`ProxyServer` binds, runs on its own event loop (in a thread,
+or blocking), accepts connections, routes each request (admin, or a model call of the rollout its key names:
+:mod:`~clawpipe.proxy.auth`), times out stalled calls and connections, pauses and resumes calls around a
+weight update, and drains and seals on stop. A model call's way through the proxy, and the guarantee that an
+answered call is on disk and every call with a valid key is captured exactly once, is
+:mod:`~clawpipe.proxy.forward`; requests that cannot be framed, never finish arriving or exceed the
+connection cap are answered without a record.
 
 Module map: framing (:mod:`~clawpipe.proxy.framing`), connections (:mod:`~clawpipe.proxy.conn`), calls
 (:mod:`~clawpipe.proxy.call`), upstream pool (:mod:`~clawpipe.proxy.upstream`), outcome to captured status
 (:mod:`~clawpipe.proxy.outcome`), answers (:mod:`~clawpipe.proxy.respond`), limits and settings
-(:mod:`~clawpipe.proxy.limits`, :mod:`~clawpipe.proxy.config`).
+(:mod:`~clawpipe.proxy.limits`, :mod:`~clawpipe.proxy.config`), capture segments
+(:mod:`~clawpipe.proxy.segments`).
 
 Raw ``asyncio`` protocols on uvloop (when installed), no web framework: the proxy's CPU per call is the
 figure that matters (bench/proxy_overhead.py).
@@ -25,35 +23,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from clawpipe.capture import HEADER_FORMAT, CaptureHeader
-from clawpipe.errors import ClawpipeError, ConfigError, KeyVerificationError
-from clawpipe.keys import RolloutKey, verify_key
-from clawpipe.proxy import respond, wire
+from clawpipe.errors import ConfigError
+from clawpipe.proxy import wire
 from clawpipe.proxy.admin import handle_admin
-from clawpipe.proxy.call import Call
+from clawpipe.proxy.auth import RolloutKeys
 from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
+from clawpipe.proxy.forward import CallPath
 from clawpipe.proxy.limits import MAX_POLICY_VERSION, BodyBudget, valid_policy_version
-from clawpipe.proxy.outcome import Outcome, judge
-from clawpipe.proxy.replicas import RETRY_STATUSES, ReplicaSet, handle_replica_admin
-from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, prepare_body
+from clawpipe.proxy.loop import LoopThread
+from clawpipe.proxy.replicas import ReplicaSet, handle_replica_admin
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
 
 log = logging.getLogger(__name__)
 
-TOKEN_IDS_KEY = b'"token_ids"'
+# The counters of /admin/stats: calls by captured status, and what the proxy met on the way.
+STAT_NAMES = (
+    "calls",
+    "ok",
+    "http_error",
+    "upstream_error",
+    "cancelled",
+    "unauthorized",
+    "retokenized",
+    "retokenize_failed",
+    "no_ids",
+    "paused_waits",
+    "pause_timeouts",
+    "upstream_retries",
+    "replica_retries",
+    "capture_failures",
+    "timed_out_connections",
+)
 
 
 class ProxyServer:
@@ -84,35 +93,17 @@ class ProxyServer:
         self.paused = False
         self.in_flight = 0
         self.port = cfg.port
-        self.stats: dict[str, int] = {
-            "calls": 0,
-            "ok": 0,
-            "http_error": 0,
-            "upstream_error": 0,
-            "cancelled": 0,
-            "unauthorized": 0,
-            "retokenized": 0,
-            "retokenize_failed": 0,
-            "no_ids": 0,
-            "paused_waits": 0,
-            "pause_timeouts": 0,
-            "upstream_retries": 0,
-            "replica_retries": 0,
-            "capture_failures": 0,
-            "timed_out_connections": 0,
-        }
-        self._keys: dict[str, RolloutKey] = {}
-        self._seq: dict[tuple[str, int, str], int] = {}
+        self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+        self.keys = RolloutKeys(self._secret)
         self._conns: set[ClientConn] = set()
-        self._calls: set[Call] = set()
-        self._recorded: set[str] = set()  # call ids of calls being answered whose record was submitted
         self._handlers: set[asyncio.Task[None]] = set()  # one per request being answered
         self._stopping = False
-        self._retok: Any = None
+        retok = None
         if cfg.tokenizer_dir:
             from clawpipe.proxy.retokenize import Retokenizer
 
-            self._retok = Retokenizer(cfg.tokenizer_dir)
+            retok = Retokenizer(cfg.tokenizer_dir)
+        self.calls = CallPath(self, retok)
         self.writer = SegmentWriter(
             cfg.capture_dir,
             instance=self.instance,
@@ -124,9 +115,7 @@ class ProxyServer:
         self._replicas: list[Replica] = []
         self.replicas = ReplicaSet([], time.monotonic)
         self._server: asyncio.AbstractServer | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
+        self._runner = LoopThread(f"proxy-{self.instance}")
         self._stop_event: asyncio.Event | None = None
         self._stop_drain_s: float | None = None
 
@@ -182,7 +171,7 @@ class ProxyServer:
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._drained.wait(), timeout)
-        for call in list(self._calls):
+        for call in list(self.calls.calls):
             call.shut_down()
         for rep in self._replicas:
             rep.stop_waiting()  # calls waiting for an upstream connection answer 503 and are captured
@@ -220,11 +209,41 @@ class ProxyServer:
     def serve(self, conn: ClientConn, req: wire.Request) -> None:
         self._track(self._loop.create_task(self._handle(conn, req)))
 
-    async def serve_until_stopped(self) -> None:
+    # --- what the forward path needs from its owner (forward.CallOwner) ---------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    async def wait_resumed(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._resumed.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def call_began(self) -> None:
+        self.in_flight += 1
+        self._drained.clear()
+
+    def call_ended(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._drained.set()
+
+    # --- running -------------------------------------------------------------------------------------
+    async def serve_until_stopped(self, ready: Callable[[], None] | None = None) -> None:
+        """Open, call ``ready``, serve until :meth:`request_stop`, then close (drain, seal)."""
         await self.open()
+        if ready is not None:
+            ready()
         assert self._stop_event is not None
         await self._stop_event.wait()
-        await self.close()
+        await self.close(self._stop_drain_s)
 
     def request_stop(self) -> None:
         """Ask a running proxy to stop (thread-safe)."""
@@ -233,77 +252,20 @@ class ProxyServer:
 
     def start(self) -> str:
         """Run the proxy on its own event loop in a background thread; return its base URL."""
-        self._thread = threading.Thread(target=self._thread_main, name=f"proxy-{self.instance}", daemon=True)
-        self._thread.start()
-        self._ready.wait(30)
-        if self._start_error is not None:
-            raise self._start_error
-        if not self._ready.is_set():
-            raise ClawpipeError("proxy did not start within 30 s")
+        self._runner.start(self.serve_until_stopped, 30)
         return self.url
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop a proxy started with :meth:`start`: in-flight calls get ``drain_timeout_s`` (default the
         config's) to finish, then connections close and the open segment is sealed. Idempotent."""
-        if self._thread is None:
+        if not self._runner.running:
             return
         if drain_timeout_s is not None:
             self._stop_drain_s = drain_timeout_s
         self.request_stop()
-        self._thread.join((self._stop_drain_s or self.config.drain_timeout_s) + 30)
-        self._thread = None
-
-    def _thread_main(self) -> None:
-        loop = new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self.open())
-        except BaseException as exc:
-            self._start_error = exc
-            self._ready.set()
-            loop.close()
-            return
-        self._ready.set()
-        try:
-            assert self._stop_event is not None
-            loop.run_until_complete(self._stop_event.wait())
-            loop.run_until_complete(self.close(self._stop_drain_s))
-        finally:
-            loop.close()
+        self._runner.join((self._stop_drain_s or self.config.drain_timeout_s) + 30)
 
     # --- request handling ----------------------------------------------------------------------------
-    def _authorize(self, req: wire.Request) -> tuple[RolloutKey | None, str]:
-        """(attribution or None, path after the rollout prefix)."""
-        path = req.path
-        if path.startswith("/r/"):
-            slash = path.find("/", 3)
-            if slash < 0:
-                return None, path
-            return self._verify(path[3:slash]), path[slash:]
-        # a bearer token or x-api-key: the first that is a rollout key (a harness may carry a stray token too)
-        auth = req.headers.get(b"authorization")
-        if auth is not None and auth[:7].lower() == b"bearer ":
-            att = self._verify(auth[7:].strip().decode("latin-1"))
-            if att is not None:
-                return att, path
-        xkey = req.headers.get(b"x-api-key")
-        return (self._verify(xkey.strip().decode("latin-1")) if xkey is not None else None), path
-
-    def _verify(self, key: str) -> RolloutKey | None:
-        if not key:
-            return None
-        hit = self._keys.get(key)
-        if hit is not None:
-            return hit
-        try:
-            att = verify_key(self._secret, key)
-        except KeyVerificationError:
-            return None
-        if len(self._keys) > 200_000:
-            self._keys.clear()
-        self._keys[key] = att
-        return att
-
     async def _handle(self, conn: ClientConn, req: wire.Request) -> None:
         try:
             if req.path.startswith("/admin/replicas"):
@@ -312,7 +274,7 @@ class ProxyServer:
             if req.path.startswith("/admin/"):
                 await handle_admin(self, conn, req)
                 return
-            att, path = self._authorize(req)
+            att, path = self.keys.authorize(req)
             anthropic = path.endswith(("/messages", "/count_tokens")) or b"anthropic-version" in req.headers
             if att is None:
                 self.stats["unauthorized"] += 1
@@ -326,307 +288,16 @@ class ProxyServer:
                 )
                 conn.finish(req.keep_alive)
                 return
-            await self._model_call(conn, req, att, path, anthropic)
+            await self.calls.model_call(conn, req, att, path, anthropic)
         except Exception:
             log.exception("proxy handler failed path=%s", req.path)
             conn.write(wire.error_response(500, "internal proxy error", anthropic=False, keep_alive=False))
             conn.finish(False)
 
-    def _new_header(self, req: wire.Request, att: RolloutKey, path: str) -> tuple[CaptureHeader, str | None]:
-        """The capture header of a new call (its outcome fields filled in later) and its API."""
-        api = ROUTES.get((req.method, path))
-        if api is None and not path.startswith("/v1/"):  # a base URL given without /v1
-            api = ROUTES.get((req.method, "/v1" + path))
-            if api is not None:
-                path = "/v1" + path
-        rkey = (att.run_id, att.iteration, att.rollout_id)
-        seq = self._seq.get(rkey, -1) + 1
-        if seq == 0 and len(self._seq) > 500_000:
-            self._seq.clear()
-        self._seq[rkey] = seq
-        header = CaptureHeader(
-            format=HEADER_FORMAT,
-            call_id=os.urandom(16).hex(),
-            run_id=att.run_id,
-            iteration=att.iteration,
-            rollout_id=att.rollout_id,
-            seq=seq,
-            api=api or "unknown",
-            method=req.method,
-            path=path,
-            query=req.target.partition("?")[2],
-            http_status=0,
-            status="ok",
-            policy_version=self.policy_version,
-            t_start=time.time(),
-            t_end=0.0,
-            token_source="none",
-        )
-        return header, api
-
-    async def _model_call(
-        self, conn: ClientConn, req: wire.Request, att: RolloutKey, path: str, anthropic: bool
-    ) -> None:
-        header, api = self._new_header(req, att, path)
-        call_id = header.call_id
-        try:
-            await self._run_call(conn, req, header, api, anthropic)
-        except Exception as exc:  # a bug, not the call's fault: still answered, and captured exactly once
-            log.exception("proxy failed on call_id=%s path=%s", call_id, req.path)
-            if call_id not in self._recorded and not conn.closed:
-                await self._fail(conn, req, header, 500, f"internal proxy error: {type(exc).__name__}", anthropic)
-            elif call_id not in self._recorded:
-                header.status, header.http_status = "http_error", 500
-                header.error, header.t_end = f"internal proxy error: {exc!r}", time.time()
-                await self._capture(header, req.body, b"")
-            else:
-                conn.write(wire.error_response(500, "internal proxy error", anthropic=anthropic, keep_alive=False))
-                conn.finish(False)
-        finally:
-            self._recorded.discard(call_id)
-
-    async def _run_call(
-        self, conn: ClientConn, req: wire.Request, header: CaptureHeader, api: str | None, anthropic: bool
-    ) -> None:
-        path = header.path or ""  # always set by _new_header
-        if "too_large" in req.extra:
-            limit = self.config.max_body_bytes
-            msg = f"request body of {req.extra['too_large']} bytes exceeds the proxy limit of {limit} bytes"
-            await self._fail(conn, req, header, 413, msg, anthropic)
-            return
-        if "over_budget" in req.extra:
-            budget = self.config.max_buffered_bytes
-            msg = (
-                f"the proxy is already receiving {budget >> 20} MiB of request bodies (its --max-buffered-mb); "
-                "retry shortly"
-            )
-            await self._fail(conn, req, header, 503, msg, anthropic)
-            return
-        if api is None:
-            msg = f"unknown endpoint {req.method} {path}: the proxy serves {sorted(p for _, p in ROUTES)}"
-            await self._fail(conn, req, header, 404, msg, anthropic)
-            return
-        body = req.body
-        stream = False
-        if api != "models":  # a JSON body: checked here, so the upstream never sees a malformed one
-            try:
-                obj = json.loads(body)
-            except (ValueError, RecursionError) as exc:
-                await self._fail(conn, req, header, 400, f"request body is not valid JSON: {exc}", anthropic)
-                return
-            if not isinstance(obj, dict):
-                await self._fail(conn, req, header, 400, "request body must be a JSON object", anthropic)
-                return
-            stream = obj.get("stream") is True
-            header.stream = stream
-            model = obj.get("model")
-            header.model = model if isinstance(model, str) else None
-            if api in TOKEN_APIS:
-                body, changes = prepare_body(api, body, obj)
-                if changes:
-                    header.request_changes = msgspec.Raw(msgspec.json.encode(changes))
-        if self.paused:
-            self.stats["paused_waits"] += 1
-            try:
-                await asyncio.wait_for(self._resumed.wait(), self.config.pause_wait_s)
-            except TimeoutError:
-                self.stats["pause_timeouts"] += 1
-                msg = f"proxy paused for a weight update for over {self.config.pause_wait_s:g} s; retry later"
-                await self._fail(conn, req, header, 503, msg, anthropic)
-                return
-            if self._stopping:
-                await self._fail(conn, req, header, 503, "the proxy is shutting down; retry", anthropic)
-                return
-            if conn.closed:  # captured all the same: every call that reached the proxy has a record
-                header.status, header.http_status, header.t_end = "cancelled", 499, time.time()
-                header.error = "client disconnected while the proxy was paused"
-                await self._capture(header, req.body, b"")
-                return
-            header.policy_version = self.policy_version
-        self.in_flight += 1
-        self._drained.clear()
-        try:
-            await self._forward(conn, req, header, api, path, body, stream, anthropic)
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._drained.set()
-
-    async def _forward(
-        self,
-        conn: ClientConn,
-        req: wire.Request,
-        header: CaptureHeader,
-        api: str,
-        path: str,
-        body: bytes,
-        stream: bool,
-        anthropic: bool,
-    ) -> None:
-        loop = self._loop
-        fwd_headers = b"".join(
-            n + b": " + v + b"\r\n" for n, v in req.headers.items() if n in wire.FORWARDED_REQUEST_HEADERS
-        )
-        # the rollout, for the engine to carry its own sampled ids into the rollout's next prompts; a header of
-        # that name from the client is never forwarded (only FORWARDED_REQUEST_HEADERS are)
-        fwd_headers += wire.rollout_header(header.run_id, header.iteration, header.rollout_id)
-        query = header.query
-        target = path + "?" + query if query else path
-        call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=self.config.max_response_bytes)
-        conn.call = call
-        t_up = time.perf_counter()
-        last_error = ""
-        rid = header.rollout_id
-        tried: list[Replica] = []
-        sent = False
-        rep = self.replicas.pick(rid)
-        while rep is not None:  # the first replica, then at most one other (see _exchange for when)
-            tried.append(rep)
-            header.upstream = rep.url
-            raw = rep.request_bytes(req.method, target, fwd_headers, body if api != "models" else b"")
-            rep.in_flight += 1  # no await between pick and here: concurrent picks see this call's load
-            try:
-                sent = await self._exchange(rep, raw, call, conn)
-            finally:
-                rep.in_flight -= 1
-            if self._stopping:
-                break
-            self.replicas.report(rep, sent, call.outcome, call.status, call.error)
-            if sent:
-                rep.calls += 1
-                self.replicas.bind(rid, rep)
-            refused = call.outcome == "end" and call.status in RETRY_STATUSES and not call.streaming
-            nxt = self.replicas.pick(rid, tried) if len(tried) < 2 and (not sent or refused) else None
-            if sent and nxt is None:
-                break
-            if not sent:
-                last_error = call.error or f"upstream {rep.url} unreachable"
-            if nxt is not None:
-                self.stats["replica_retries"] += 1
-                log.warning("call retried on another replica rollout_id=%s from=%s to=%s", rid, rep.url, nxt.url)
-                if sent:  # a fresh sink: nothing of the refused answer reached the client
-                    call = Call(conn, stream, loop, chunked=req.version != b"HTTP/1.0", limit=call.limit)
-                    conn.call = call
-            rep = nxt
-        else:
-            header.upstream_ms = (time.perf_counter() - t_up) * 1000
-            if not tried:
-                msg = "every upstream replica is drained; undrain one (POST /admin/replicas/undrain) and retry"
-                await self._fail(conn, req, header, 503, msg, anthropic)
-            else:
-                await self._fail(conn, req, header, 502, last_error or "no upstream reachable", anthropic)
-            return
-        if self._stopping and not sent:  # waited for an upstream connection until the proxy stopped
-            header.upstream_ms = (time.perf_counter() - t_up) * 1000
-            msg = "the proxy shut down before the call reached an upstream; retry the call"
-            await self._fail(conn, req, header, 503, msg, anthropic)
-            return
-        header.upstream_ms = (time.perf_counter() - t_up) * 1000
-        outcome = call.outcome
-        verdict = judge(
-            Outcome(outcome, call.status, call.streaming, call.error, header.upstream, call.size),
-            b"".join(call.parts),
-            anthropic=anthropic,
-        )
-        response = verdict.response
-        header.status, header.http_status, header.error = verdict.status, verdict.http_status, verdict.error
-        header.response_partial = verdict.partial
-        if verdict.status == "upstream_error":
-            log.warning(
-                "upstream failed rollout_id=%s upstream=%s error=%s",
-                header.rollout_id,
-                header.upstream,
-                call.error,
-            )
-        if verdict.status == "ok" and api in TOKEN_APIS:
-            if TOKEN_IDS_KEY in response:
-                header.token_source = "upstream"
-            elif self._retok is not None:
-                try:
-                    header.retokenized = await loop.run_in_executor(
-                        None, self._retok.retokenize, api, req.body, response, stream
-                    )
-                    header.token_source = "retokenized"
-                    self.stats["retokenized"] += 1
-                except Exception as exc:
-                    log.warning("retokenization failed call_id=%s error=%s", header.call_id, exc)
-                    self.stats["retokenize_failed"] += 1
-            else:
-                self.stats["no_ids"] += 1
-        header.t_end = time.time()
-        ok = await self._capture(header, req.body, response)
-        respond.after_call(conn, call, ok, req.keep_alive, verdict.http_status, response, anthropic=anthropic)
-
-    async def _exchange(self, rep: Replica, raw: bytes, call: Call, conn: ClientConn) -> bool:
-        """Send one request to a replica; False when it was never sent (no connection could be had).
-
-        When a call is sent again, never a call the upstream may have executed:
-        - here, on the same replica, once: a pooled keep-alive connection the upstream had already closed
-          (the write met a closed socket: the connection ends with no response byte);
-        - by the caller, on one other replica, once, and only while nothing reached the client: when this
-          returns False (no connection: the request never left the proxy), or when the replica answered 502
-          or 503 in its response head (it did not serve the call; its error body is dropped). Any other end
-          (a connection broken after the request was sent, a timeout, any other status) is final.
-        """
-        for attempt in range(2):
-            try:
-                up, reused = await rep.acquire()
-            except (OSError, TimeoutError) as exc:
-                call.error = f"upstream {rep.url} unreachable: {type(exc).__name__}: {exc}"
-                return False
-            if conn.closed:
-                rep.release(up)
-                call.client_gone()
-                return True
-            call.up = up
-            up.send(raw, call)
-            self._calls.add(call)
-            await call.fut
-            self._calls.discard(call)
-            if attempt == 0 and call.outcome == "fail" and reused and not call.parts and call.status == 0:
-                # a pooled connection the upstream had closed: resend once on a fresh one
-                self.stats["upstream_retries"] += 1
-                call.fut = self._loop.create_future()
-                call.outcome, call.error = "", None
-                continue
-            break
-        return True
-
-    async def _fail(
-        self, conn: ClientConn, req: wire.Request, header: CaptureHeader, status: int, msg: str, anthropic: bool
-    ) -> None:
-        """Answer with an error in the API's shape and capture the failed call."""
-        body = wire.error_body(status, msg, anthropic=anthropic)
-        header.http_status = status
-        header.status = "upstream_error" if status in (502, 504) else "http_error"
-        header.error = msg
-        header.t_end = time.time()
-        log.warning("call failed rollout_id=%s status=%d error=%s", header.rollout_id, status, msg)
-        await self._capture(header, req.body, body)
-        respond.send_json(conn, status, body, req.keep_alive)
-
-    async def _capture(self, header: CaptureHeader, request: bytes, response: bytes) -> bool:
-        """Record one call durably and count it by status; False when the record could not be written."""
-        fut: asyncio.Future[bool] = self._loop.create_future()
-
-        def done(exc: BaseException | None) -> None:
-            if not fut.done():
-                fut.set_result(exc is None)
-
-        self._recorded.add(header.call_id)
-        try:
-            self.writer.submit(header, request, response, done)
-        except ClawpipeError:
-            fut.set_result(False)
-        ok = await fut
-        self.stats[header.status or "ok"] += 1
-        self.stats["calls"] += 1
-        return ok
-
     def _check_timeouts(self) -> None:
         now = self._loop.time()
         limit = self.config.upstream_timeout_s
-        for call in list(self._calls):
+        for call in list(self.calls.calls):
             up = call.up
             if up is not None and now - up.last_activity > limit:
                 call.timed_out(limit)
@@ -714,12 +385,3 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop when installed (lower CPU per call), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()

@@ -195,9 +195,9 @@ def test_policy_version_stamped_and_upstream_connections_pooled(proxy: ProxyHand
 
 
 def test_works_on_plain_asyncio_loop_without_uvloop(make_proxy, upstream: ScriptedUpstream, monkeypatch):
-    from clawpipe.proxy import server
+    from clawpipe.proxy import loop
 
-    monkeypatch.setattr(server, "new_event_loop", asyncio.new_event_loop)
+    monkeypatch.setattr(loop, "new_event_loop", asyncio.new_event_loop)
     proxy = make_proxy([upstream.url])
     assert "uvloop" not in type(proxy.server._loop).__module__
     upstream.push(say("plain loop"), say("plain stream"))
