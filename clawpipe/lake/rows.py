@@ -2,10 +2,10 @@
 record is a reject with a reason naming the column (one bad value never stops a landing).
 
 Scalars are checked per record as they are read (:func:`int_value`, :func:`float_value`, ...). Token-id
-and logprob lists become NumPy arrays per record, their element types checked where no typed decoder
-has done it already and ids checked to fit int32 (:func:`id_array`); ids below 0 and logprobs that are
-not finite are looked for once per row group over the whole column (:func:`calls_table`): a row group
-with a bad list falls back to finding its rows, which become rejects, and the rest is written.
+and logprob lists have their element types checked per record where no typed decoder has done it
+already (:func:`id_list`, :func:`logprob_list`); ids outside int32 and logprobs that are not finite
+float32 are looked for once per row group over the whole column (:mod:`clawpipe.lake.columns`): a row
+group with a bad list falls back to finding its rows, which become rejects, and the rest is written.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import orjson
-import pyarrow as pa
 
 from clawpipe import schemas
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 EPOCH_MAX_S = 253_402_300_800.0  # 10000-01-01: the last second a timestamp column holds
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class BadValue(ValueError):
@@ -103,42 +101,26 @@ def one_of(v: Any, what: str, allowed: frozenset[str]) -> str | None:
     raise BadValue(f"{what}={v!r} is not one of {', '.join(sorted(allowed))}")
 
 
-def id_array(v: Any, what: str, typed: bool) -> np.ndarray | None:
-    """A token-id list as int32, its elements checked to be ints (not bools, floats or text) unless a typed
-    decoder did that, and to fit int32; ids below 0 are found per row group (one pass for all rows)."""
-    if v is None:
-        return None
-    if isinstance(v, np.ndarray):  # the large-body path parsed these as int64
-        if v.dtype != np.int32:
-            if len(v) and (v.min() < 0 or v.max() > INT32_MAX):
-                raise BadValue(f"{what}: {_id_problem(v)}")
-            v = v.astype(np.int32)
+def id_list(v: Any, what: str, typed: bool) -> list[int] | np.ndarray | None:
+    """A token-id list with its elements checked to be ints (not bools, floats or text) unless a typed
+    decoder did that; whether they fit int32 is checked per row group (:mod:`clawpipe.lake.columns`)."""
+    if v is None or typed or isinstance(v, np.ndarray):  # the large-body path parsed these with NumPy
         return v
-    if not typed:
-        try:
-            v = msgspec.convert(v, list[int])
-        except msgspec.ValidationError as exc:
-            raise BadValue(f"{what}: {exc}") from exc
     try:
-        return np.fromiter(v, dtype=np.int32, count=len(v))
-    except OverflowError as exc:
-        raise BadValue(f"{what}: {exc} (ids are in [0, {INT32_MAX}])") from exc
+        return msgspec.convert(v, list[int])
+    except msgspec.ValidationError as exc:
+        raise BadValue(f"{what}: {exc}") from exc
 
 
-def logprob_array(v: Any, what: str, typed: bool) -> np.ndarray | None:
-    """A logprob list as float64, its elements checked to be numbers unless a typed decoder did that;
-    whether they fit float32 (finite) is checked per row group."""
-    if v is None or isinstance(v, np.ndarray):
+def logprob_list(v: Any, what: str, typed: bool) -> list[float] | np.ndarray | None:
+    """A logprob list with its elements checked to be numbers unless a typed decoder did that; whether they
+    fit float32 (finite) is checked per row group."""
+    if v is None or typed or isinstance(v, np.ndarray):
         return v
-    if not typed:
-        try:
-            v = msgspec.convert(v, list[float])
-        except msgspec.ValidationError as exc:
-            raise BadValue(f"{what}: {exc}") from exc
-    return np.fromiter(v, dtype=np.float64, count=len(v))  # float32 once checked, per row group
-
-
-# -- columns of many rows ------------------------------------------------------------------------------------
+    try:
+        return msgspec.convert(v, list[float])
+    except msgspec.ValidationError as exc:
+        raise BadValue(f"{what}: {exc}") from exc
 
 
 class BadRows(Exception):
@@ -147,88 +129,6 @@ class BadRows(Exception):
     def __init__(self, bad: dict[int, str]) -> None:
         super().__init__(f"{len(bad)} bad rows")
         self.bad = bad
-
-
-def _bad_list_rows(items: tuple[Any, ...], name: str, check: Any) -> dict[int, str]:
-    """Row by row: the rows whose list fails ``check`` (the slow path, taken only when a column failed)."""
-    bad: dict[int, str] = {}
-    for i, x in enumerate(items):
-        problem = None if x is None else check(x)
-        if problem:
-            bad[i] = f"{name}: {problem}"
-    return bad
-
-
-def _id_problem(arr: np.ndarray) -> str | None:
-    if len(arr) and (arr.min() < 0 or (arr.dtype != np.int32 and arr.max() > INT32_MAX)):
-        k = int(np.flatnonzero((arr < 0) | (arr > INT32_MAX))[0])
-        return f"id {int(arr[k])} at position {k} is outside [0, {INT32_MAX}]"
-    return None
-
-
-def _logprob_problem(arr: np.ndarray) -> str | None:
-    fits = np.abs(arr) <= _FLOAT32_MAX  # False for NaN and inf too
-    if not fits.all():
-        k = int(np.flatnonzero(~fits)[0])
-        return f"logprob {float(arr[k])} at position {k} is not a finite float32"
-    return None
-
-
-def _offsets(items: tuple[Any, ...]) -> np.ndarray:
-    offsets = np.zeros(len(items) + 1, dtype=np.int32)
-    np.cumsum([0 if x is None else len(x) for x in items], out=offsets[1:])
-    return offsets
-
-
-def _list_array(items: tuple[Any, ...], name: str, value_type: pa.DataType) -> pa.Array:
-    """A checked list<value_type> Arrow array from per-row NumPy arrays (None = null).
-
-    Ids are checked to be >= 0 and logprobs finite, once over the whole column; raises :class:`BadRows`
-    naming the rows that fail.
-    """
-    is_ids = value_type == pa.int32()
-    dtype, check = (np.int32, _id_problem) if is_ids else (np.float64, _logprob_problem)
-    pieces = [x for x in items if x is not None and len(x)]
-    values = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
-    if check(values):
-        raise BadRows(_bad_list_rows(items, name, check))
-    if not is_ids:
-        values = values.astype(np.float32)
-    nulls = [x is None for x in items]
-    mask = pa.array(nulls, type=pa.bool_()) if any(nulls) else None
-    return pa.ListArray.from_arrays(pa.array(_offsets(items)), pa.array(values, type=value_type), mask=mask)
-
-
-_BYTES_COLUMNS = frozenset({"request", "response"})  # kept as the captured bytes until the Arrow cast
-
-
-def calls_table(rows: list[tuple[Any, ...]]) -> pa.Table:
-    """Arrow table of model_calls rows (tuples in schema order), column by column.
-
-    Raises :class:`BadRows` for rows whose lists do not fit (scalars were checked per record).
-    """
-    cols = list(zip(*rows, strict=True))
-    arrays = []
-    bad: dict[int, str] = {}
-    for f, col in zip(schemas.MODEL_CALLS, cols, strict=True):
-        if pa.types.is_list(f.type):
-            try:
-                arrays.append(_list_array(col, f.name, f.type.value_type))
-            except BadRows as exc:
-                for i, reason in exc.bad.items():
-                    bad.setdefault(i, reason)
-        elif f.name in _BYTES_COLUMNS:
-            try:
-                arrays.append(pa.array(col, type=pa.binary()).cast(pa.string()))
-            except pa.ArrowInvalid:  # not UTF-8: keep what can be read
-                arrays.append(pa.array([None if v is None else v.decode("utf-8", "replace") for v in col], pa.string()))
-        elif pa.types.is_timestamp(f.type):
-            arrays.append(pa.array(col, type=pa.int64()).view(f.type))
-        else:
-            arrays.append(pa.array(col, type=f.type))
-    if bad:
-        raise BadRows(bad)
-    return pa.Table.from_arrays(arrays, schema=schemas.MODEL_CALLS)
 
 
 # -- rollout result rows ---------------------------------------------------------------------------------

@@ -1,0 +1,44 @@
+"""Rollout result rows -> the ``rollouts`` table: each line checked against schemas.ROLLOUTS, and merged into
+its partition so that per rollout_id the latest attempt wins."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pyarrow as pa
+
+from clawpipe import schemas, tables
+from clawpipe.lake import rows
+from clawpipe.tables import LakeFS
+
+_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
+
+
+def coerce_rollout(row: dict[str, Any]) -> dict[str, Any]:
+    """A result line as a ``rollouts`` row; raises ValueError (:class:`rows.BadValue`) naming what is wrong."""
+    out = rows.rollout_row(row)
+    for what in ("rollout_id", "run_id"):
+        value = out[what]
+        if not isinstance(value, str) or not value:
+            raise rows.BadValue(f"rollout {what} missing or not a string")
+    if not _SAFE_PART.match(out["run_id"]):
+        raise rows.BadValue(f"run_id {out['run_id']!r} is not usable as a partition name (letters, digits, ._:@+-)")
+    return out
+
+
+def merge_rollouts(lake: LakeFS, run_id: str, iteration: int, new_rows: list[dict[str, Any]]) -> None:
+    """Rewrite a rollouts partition with its rows plus ``new_rows``; per rollout_id the latest attempt wins
+    (highest ``attempt``, then the later landed)."""
+    rel = tables.partition_rel("rollouts", run_id, iteration)
+    existing: list[dict[str, Any]] = []
+    for part in lake.list_files(rel, suffix=".parquet"):
+        existing.extend(lake.read_parquet(part).to_pylist())
+    best: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+    for order, row in enumerate(existing + new_rows):
+        key = (row.get("attempt") or 0, order)
+        cur = best.get(row["rollout_id"])
+        if cur is None or key >= cur[0]:
+            best[row["rollout_id"]] = (key, row)
+    merged = [r for _, r in sorted(best.values(), key=lambda kv: kv[0][1])]
+    tables.replace_partition(lake, "rollouts", run_id, iteration, pa.Table.from_pylist(merged, schema=schemas.ROLLOUTS))
