@@ -292,10 +292,13 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
     cli = [sys.executable, "-m", "clawpipe"]
     try:
         _wait_for_server(api, server, tmp_path / "server.log")
+        worker = [*cli, "worker", "--pool", "rollouts", "--slots", "2", "--limit", "1"]  # one shard at a time
+        host_env = {
+            name: {**env, "CLAWPIPE_HOME": str(homes[name]), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / f"c-{name}")}
+            for name in ("hostA", "hostB")
+        }
         for name in ("hostA", "hostB"):
-            host_env = {**env, "CLAWPIPE_HOME": str(homes[name]), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / f"c-{name}")}
-            cmd = [*cli, "worker", "--pool", "rollouts", "--slots", "2", "--limit", "1"]  # one shard at a time
-            procs[name] = _spawn(cmd, host_env, tmp_path / f"{name}.log")
+            procs[name] = _spawn(worker, host_env[name], tmp_path / f"{name}.log")
         cfg = tmp_path / "fanout.toml"
         cfg.write_text(FANOUT_CONFIG)
         summary = tmp_path / "summary.json"
@@ -303,6 +306,10 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
         run_cmd = [*cli, "run", "--config", str(cfg), "--summary-out", str(summary)]
         procs["run"] = _spawn(run_cmd, control_env, tmp_path / "run.log")
         killed = _kill_mid_shard(lake, homes, {k: procs[k] for k in ("hostA", "hostB")})
+        (record,) = (homes[killed["worker"]] / "proxies").glob("*.json")
+        proxy_pid = json.loads(record.read_text())["pid"]
+        # the host comes back: a new worker there finds the proxy the killed one's shard started
+        procs[f"{killed['worker']}-again"] = _spawn(worker, host_env[killed["worker"]], tmp_path / "again.log")
         assert procs["run"].wait(timeout=500) == 0, (tmp_path / "run.log").read_text()[-6000:]
         result = json.loads(summary.read_text())
         run_id = result["run_id"]
@@ -310,14 +317,16 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
             host = objstore.host_id(homes[name] / "captures")
             limit = httpx.get(f"{api}/v2/concurrency_limits/sandboxes-{host}", timeout=10).json()
             assert limit["limit"] == 2
+        os.kill(proxy_pid, 0)  # the killed worker's host proxy outlived it ...
+        assert json.loads(record.read_text())["pid"] == proxy_pid  # ... and was never replaced
     finally:
-        for name, p in procs.items():
+        for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(timeout=60)
-            if name in ("hostA", "hostB"):
-                stop_host_proxies(homes[name])  # the killed worker's proxy outlived it: seal and upload, then stop
+        for name in ("hostA", "hostB"):
+            stop_host_proxies(homes[name])  # the killed worker's proxy outlived it: seal and upload, then stop
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
 
