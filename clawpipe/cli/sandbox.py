@@ -221,10 +221,14 @@ def transcript_contract(task_set: object) -> str:
     return "\n\n".join(kept).strip()
 
 
-def transcript_problems(data: dict[str, Any]) -> list[str]:
-    """Where a transcript breaks the shape every transcript contract shares (clawpipe.tasks module docs):
+def transcript_problems(data: dict[str, Any], fields: tuple[str, ...] = ("turns", "final")) -> list[str]:
+    """Where a transcript breaks the shape the transcript contracts share (clawpipe.tasks module docs):
     ``turns`` one object per model call with ``reply`` (the call's text) and an optional string ``answer``;
-    an optional string ``final``."""
+    an optional string ``final``. ``fields`` are those the task set reads (its ``transcript_fields``): a
+    task set that reads only ``final`` requires it and ignores ``turns``."""
+    if "turns" not in fields:
+        final = data.get("final")
+        return [] if isinstance(final, str) else ["`final` must be a string: the harness's last reply"]
     turns = data.get("turns")
     if not isinstance(turns, list):
         return ["`turns` must be a list with one entry per model call"]
@@ -263,7 +267,8 @@ def check_transcript(path: Path, task_set_name: str) -> bool:
         (workdir / "out").mkdir(exist_ok=True)
         shutil.copyfile(path, workdir / "out" / "transcript.json")
         data, reason = read_transcript(workdir)
-        problems = [reason] if data is None else transcript_problems(data)
+        fields = tuple(getattr(ts, "transcript_fields", ("turns", "final")))
+        problems = [reason] if data is None else transcript_problems(data, fields)
         for problem in problems:
             typer.secho(f"    {problem}", fg="red")
         if data is not None and not needs_sandbox(ts):  # a verifier that runs work-dir code never runs here

@@ -51,6 +51,7 @@ class SayTaskSet:
     """Say a two-word phrase; graded by how close the final reply comes (for CLI agents and CI runs)."""
 
     name = NAME
+    transcript_fields = ("final",)  # what `clawpipe harness check --transcript` requires of a sample
 
     def generate(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         """``n`` instances; an instance is an ordered pair of distinct words, its split a stable hash."""

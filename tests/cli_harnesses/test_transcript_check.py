@@ -63,3 +63,11 @@ def test_contract_text_comes_from_the_task_set_docs() -> None:
     calc = transcript_contract(get_task_set("calc"))
     assert calc.startswith("Transcript contract") and "- ``turns``" in calc and "Reward:" not in calc
     assert transcript_contract(get_task_set("fixit")).startswith("Transcript contract: none")
+
+
+def test_a_task_set_that_reads_only_final_requires_final_and_ignores_turns(tmp_path: Path) -> None:
+    code, output = check(tmp_path, {"final": "the reply"}, "say")
+    assert code == 0, output
+    assert "transcript vs say: Transcript contract: ``final`` only" in output and ": reward " in output
+    code, output = check(tmp_path, {"turns": [{"reply": "x"}]}, "say")
+    assert code == 1 and "`final` must be a string: the harness's last reply" in output
