@@ -1,15 +1,20 @@
 """Lake landing throughput, landing into a growing partition, and saved-query latency, on production-shaped calls.
 
 Run: ``.venv/bin/python bench/lake_throughput.py [--small N] [--large N] [--growing N] [--query-calls N]
-[--landing-only]``. Every call is drawn by bench/data.py (multi-turn rollouts, Zipf token ids, varied
-logprobs, texts and tool calls; small: ~200 prompt + 64 sampled tokens, large: ~16k + 512, log-normal).
-Landing is single-threaded and runs in a child process; its rate on one core is calls / CPU seconds of
+[--landing-only] [--baseline DIR [--rounds K]]``. Every call is drawn by bench/data.py (multi-turn rollouts,
+Zipf token ids, varied logprobs, texts and tool calls; small: ~200 prompt + 64 sampled tokens, large: ~16k +
+512, log-normal). Landing is single-threaded and runs in a child process; its rate on one core is calls / CPU seconds of
 that process (the figure that holds on a shared machine; the wall-clock rate is printed beside it), its
 peak RSS the child's own high-water mark. The growing-partition run lands 10 batches of ``--growing``
 calls into one partition, each followed by a landing run of 1,000 new calls whose CPU per call is
 reported (flat when no run pays for what is already landed). Saved queries run over a lake of
 ``--query-calls`` small calls (landed in rounds of ``--round``, to bound disk use). Prints human lines
 and the machine load, then one JSON line with the figures and their ratios to the targets.
+
+``--baseline DIR`` (a tree holding another version's ``clawpipe/``, e.g. ``git archive <rev> clawpipe | tar
+-x -C DIR``) lands the same captures with that version too, alternating with this one ``--rounds`` times
+(medians taken), and reports its figures beside these with the ratio: old and new in one run, on one
+set of data and one machine load.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+_CODE_ENV = "CLAWPIPE_BENCH_CODE"  # a child lands with the clawpipe of this tree (the --baseline)
+sys.path.insert(0, os.environ.get(_CODE_ENV) or str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -60,15 +66,40 @@ def land_child(captures: str, lake: str) -> None:
     print(json.dumps({"calls": rep.calls, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss}))
 
 
-def run_land(captures: Path, lake: Path) -> dict[str, float]:
+def run_land(captures: Path, lake: Path, code: str | None = None, keep: bool = False) -> dict[str, float]:
+    """Land ``captures`` into ``lake`` in a child process (with the clawpipe under ``code``, else this tree's);
+    the lake is removed afterwards unless ``keep``."""
     os.sync()  # flush the freshly written segments first: dirty-page writeback would throttle the lander
+    env = {**os.environ, _CODE_ENV: code} if code else None
     out = subprocess.run(
         [sys.executable, __file__, "--child-land", str(captures), str(lake)],
         check=True,
         capture_output=True,
         text=True,
+        env=env,
     )
+    if not keep:
+        shutil.rmtree(lake, ignore_errors=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def land_rates(captures: Path, lake: Path, rounds: int, baseline: str | None) -> dict[str, dict[str, float]]:
+    """Median figures of ``rounds`` landings of the same captures by this tree (and the baseline, alternating)."""
+    runs: dict[str, list[dict[str, float]]] = {"new": []}
+    if baseline:
+        runs["old"] = []
+    for _ in range(rounds):
+        for who in runs:
+            runs[who].append(run_land(captures, lake, baseline if who == "old" else None))
+    out = {}
+    for who, rs in runs.items():
+        out[who] = {
+            "calls": rs[0]["calls"],
+            "cpu_s": statistics.median(r["cpu_s"] for r in rs),
+            "wall_s": statistics.median(r["wall_s"] for r in rs),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+        }
+    return out
 
 
 def load() -> str:
@@ -92,7 +123,7 @@ def growing_child(lake: str, *caps: str) -> None:
     print(json.dumps({"runs": out, "peak_rss_mb": rss}))
 
 
-def growing(work: Path, per_batch: int, probe: int = 1000) -> dict[str, object]:
+def growing(work: Path, per_batch: int, probe: int = 1000, code: str | None = None) -> dict[str, object]:
     """Grow one partition by 10 batches of ``per_batch`` calls, landing a ``probe`` of new calls after each
     (one landing run each); the probes' CPU per call shows any per-run cost that grows with the partition."""
     caps = []
@@ -104,7 +135,9 @@ def growing(work: Path, per_batch: int, probe: int = 1000) -> dict[str, object]:
     os.sync()
     lake = work / "lake-grow"
     cmd = [sys.executable, __file__, "--child-growing", str(lake), *map(str, caps)]
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    env = {**os.environ, _CODE_ENV: code} if code else None
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    out = json.loads(run.stdout.strip().splitlines()[-1])
     us = [r["cpu_s"] / max(1, r["calls"]) * 1e6 for r in out["runs"]]
     bulk, probes = us[0::2], us[1::2]
     for c in caps:
@@ -112,7 +145,8 @@ def growing(work: Path, per_batch: int, probe: int = 1000) -> dict[str, object]:
     shutil.rmtree(lake)
     first, last = statistics.median(probes[:3]), statistics.median(probes[-3:])
     print(
-        f"growing partition: 10 x {per_batch} calls, each followed by a landing run of {probe} new calls; "
+        f"{'baseline ' if code else ''}growing partition: 10 x {per_batch} calls, each followed by a landing run "
+        f"of {probe} new calls; "
         f"us/call of those runs {' '.join(f'{u:.0f}' for u in probes)} (partition "
         f"{per_batch + probe:,} -> {10 * (per_batch + probe):,} calls); last 3 / first 3 (medians) = "
         f"{last / first:.2f}; bulk runs us/call {' '.join(f'{u:.0f}' for u in bulk)} [load {load()}]"
@@ -148,6 +182,8 @@ def main() -> None:
     ap.add_argument("--round", type=int, default=200_000, help="calls generated and landed per round")
     ap.add_argument("--growing", type=int, default=20_000, help="small calls per batch of the growing partition")
     ap.add_argument("--landing-only", action="store_true", help="skip the saved-query lake")
+    ap.add_argument("--baseline", help="a tree with another version's clawpipe/ to land the same captures with too")
+    ap.add_argument("--rounds", type=int, default=3, help="landings of each kind per version with --baseline")
     ap.add_argument("--child-land", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--child-query", help=argparse.SUPPRESS)
     ap.add_argument("--child-growing", nargs="+", help=argparse.SUPPRESS)
@@ -165,22 +201,35 @@ def main() -> None:
     try:
         figures: dict[str, object] = {}
         # -- landing rate, small and large, each from fresh segments into a fresh lake
+        rounds = args.rounds if args.baseline else 1
         for kind, n in (("small", args.small), ("large", args.large)):
             caps, lake = work / f"cap-{kind}", work / f"lake-{kind}"
             size, _ = data.write_segments(caps, n, data.shape(kind), per_segment=100 if kind == "large" else 2000)
-            r = run_land(caps, lake)
-            rate, wall_rate = r["calls"] / r["cpu_s"], r["calls"] / r["wall_s"]
-            print(
-                f"land {kind}: {r['calls']} calls, {size / 1e6:.0f} MB: {r['cpu_s']:.2f}s cpu = {rate:,.0f} calls/s "
-                f"on one core ({r['wall_s']:.2f}s wall = {wall_rate:,.0f} calls/s), peak RSS {r['peak_rss_mb']:.0f} MB"
-                f" [load {load()}]"
-            )
-            figures[f"land_{kind}_calls_per_s"] = round(rate)
-            figures[f"land_{kind}_wall_calls_per_s"] = round(wall_rate)
-            figures[f"land_{kind}_peak_rss_mb"] = round(r["peak_rss_mb"])
+            rates = land_rates(caps, lake, rounds, args.baseline)
+            for who, r in rates.items():
+                rate, wall_rate = r["calls"] / r["cpu_s"], r["calls"] / r["wall_s"]
+                print(
+                    f"{'baseline ' if who == 'old' else ''}land {kind}: {r['calls']} calls, {size / 1e6:.0f} MB: "
+                    f"{r['cpu_s']:.2f}s cpu = {rate:,.0f} calls/s on one core ({r['wall_s']:.2f}s wall = "
+                    f"{wall_rate:,.0f} calls/s), peak RSS {r['peak_rss_mb']:.0f} MB, median of {rounds} "
+                    f"[load {load()}]"
+                )
+                key = "baseline" if who == "old" else None
+                dest = figures.setdefault("baseline", {}) if key else figures
+                assert isinstance(dest, dict)
+                dest[f"land_{kind}_calls_per_s"] = round(rate)
+                dest[f"land_{kind}_wall_calls_per_s"] = round(wall_rate)
+                dest[f"land_{kind}_peak_rss_mb"] = round(r["peak_rss_mb"])
             shutil.rmtree(caps)
-            shutil.rmtree(lake)
         figures.update(growing(work, args.growing))
+        if args.baseline:
+            base = figures["baseline"]
+            assert isinstance(base, dict)
+            base.update(growing(work, args.growing, code=args.baseline))
+            figures["new_vs_baseline"] = {
+                k: round(figures[f"land_{k}_calls_per_s"] / base[f"land_{k}_calls_per_s"], 2)  # type: ignore[operator]
+                for k in ("small", "large")
+            }
         figures["load"] = load()
         if args.landing_only:
             print(json.dumps(figures))
@@ -197,7 +246,7 @@ def main() -> None:
                 caps, n, data.shape("small"), per_segment=5000, seed=k, iteration=it, start=start
             )
             data.write_results(caps, rollouts, "bench", it, seed=k)
-            r = run_land(caps, lake)
+            r = run_land(caps, lake, keep=True)
             peak, landed, t_land = max(peak, r["peak_rss_mb"]), landed + r["calls"], t_land + r["wall_s"]
             for p in caps.glob("*.seg"):
                 p.unlink()

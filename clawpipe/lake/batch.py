@@ -145,24 +145,29 @@ class Batch:
             cols = p.columns
             if not len(cols):
                 continue
-            p.columns = CallColumns()
-            hashes = id_index.hash_ids(cols.call_ids)
-            drop = self._drop_landed(p, cols, hashes)
-            table = self._calls_table(p, cols, drop)
-            if table is None:
-                continue
-            if p.writer is None:
-                p.part = f"{p.rel}/part-{self.id}.parquet"
-                self.parts += [p.part, id_index.sidecar(p.part)]  # the sidecar commits (or rolls back) with it
-                manifest.write_pending(self.lake, self.id, self.parts)
-                p.writer = _open_writer(self.lake, p.part)
-            p.writer.write_table(table, row_group_size=1 << 20)
-            if drop:
-                keep = np.ones(len(hashes), dtype=bool)
-                keep[list(drop)] = False
-                hashes = hashes[keep]
-            p.part_hashes.append(hashes)
+            try:
+                self._write_rows(p, cols)
+            finally:
+                p.columns = cols.emptied()  # the table is gone: its body buffers serve the next row group
         self.buffered = 0
+
+    def _write_rows(self, p: Partition, cols: CallColumns) -> None:
+        hashes = id_index.hash_ids(cols.call_ids)
+        drop = self._drop_landed(p, cols, hashes)
+        table = self._calls_table(p, cols, drop)
+        if table is None:
+            return
+        if p.writer is None:
+            p.part = f"{p.rel}/part-{self.id}.parquet"
+            self.parts += [p.part, id_index.sidecar(p.part)]  # the sidecar commits (or rolls back) with it
+            manifest.write_pending(self.lake, self.id, self.parts)
+            p.writer = _open_writer(self.lake, p.part)
+        p.writer.write_table(table, row_group_size=1 << 20)
+        if drop:
+            keep = np.ones(len(hashes), dtype=bool)
+            keep[list(drop)] = False
+            hashes = hashes[keep]
+        p.part_hashes.append(hashes)
 
     def _drop_landed(self, p: Partition, cols: CallColumns, hashes: np.ndarray) -> set[int]:
         """The buffered calls a committed part already holds (counted as duplicates), by call index."""

@@ -130,12 +130,18 @@ def _problem(part: Any, ids: bool) -> str:
 
 
 class TextColumn:
-    """A string column of captured bytes (request, response): the bodies as captured, joined into one
-    buffer per batch, each row's length, and its null rows."""
+    """A string column of captured bodies (request, response), flat: the bodies end to end in one buffer,
+    each row's length, and its null rows.
 
-    def __init__(self, name: str) -> None:
+    Each body is copied in as its call is added (still in cache, and the body object is freed at once), into
+    a buffer that the next batch of the partition reuses (:meth:`reuse`): on this kind of machine a
+    freshly allocated page costs more than the copy, and a batch would otherwise touch its bodies' worth of
+    fresh pages twice (the bodies held, then joined)."""
+
+    def __init__(self, name: str, buf: bytearray | None = None) -> None:
         self.name = name
-        self.bodies: list[bytes] = []
+        self.buf = buf if buf is not None else bytearray()
+        self.end = 0  # bytes of ``buf`` in use
         self.lengths: list[int] = []
         self.nulls: list[int] = []
 
@@ -143,26 +149,45 @@ class TextColumn:
         if v is None:
             self.nulls.append(len(self.lengths))
             self.lengths.append(0)
+            return
+        start, n = self.end, len(v)
+        end = start + n
+        if end <= len(self.buf):
+            self.buf[start:end] = v  # same length: a copy in place, never a resize
         else:
-            self.bodies.append(v)
-            self.lengths.append(len(v))
+            self.buf[start:] = v  # grows (the first row groups only, while the buffer is not reused yet)
+        self.end = end
+        self.lengths.append(n)
 
     def truncate(self, n_rows: int) -> None:
         """Drop the rows from ``n_rows`` on (a call that turned out to be a reject)."""
-        del self.bodies[len(self.bodies) - (len(self.lengths) - n_rows - sum(r >= n_rows for r in self.nulls)) :]
+        self.end -= sum(self.lengths[n_rows:])
         del self.lengths[n_rows:]
         self.nulls = [r for r in self.nulls if r < n_rows]
 
     def value(self, row: int) -> bytes | None:
         if row in self.nulls:
             return None
-        return self.bodies[row - sum(r < row for r in self.nulls)]
+        start = sum(self.lengths[:row])
+        return bytes(self.buf[start : start + self.lengths[row]])
+
+    def reuse(self) -> bytearray | None:
+        """The buffer, for the next batch, once nothing made from it is alive (else None: a fresh one).
+
+        Arrow columns made by :meth:`array` view the buffer without a copy; while one lives, the buffer
+        cannot be resized, which is how a view still held is told apart (writing into it would change a
+        column someone still reads)."""
+        try:
+            self.buf.append(0)
+            del self.buf[-1]
+        except BufferError:
+            return None
+        return self.buf
 
     def array(self) -> pa.Array:
-        """The column as Arrow strings: the bodies joined once, UTF-8 checked once over them all; a body
-        that is not UTF-8 is kept as far as it reads."""
-        data = b"".join(self.bodies)
-        if len(data) > rows.INT32_MAX:  # past 32-bit offsets: let Arrow chunk it
+        """The column as Arrow strings viewing the buffer (no copy), UTF-8 checked once over all of it; a
+        body that is not UTF-8 is kept as far as it reads."""
+        if self.end > rows.INT32_MAX:  # past 32-bit offsets: let Arrow chunk it
             return pa.array([self.value(i) for i in range(len(self.lengths))], type=pa.binary()).cast(pa.string())
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int32)
         np.cumsum(self.lengths, out=offsets[1:])
@@ -171,8 +196,9 @@ class TextColumn:
             m = np.ones(len(self.lengths), dtype=bool)
             m[self.nulls] = False
             validity = pa.array(m).buffers()[1]
+        data = pa.py_buffer(memoryview(self.buf)[: self.end])
         arr = pa.Array.from_buffers(
-            pa.string(), len(self.lengths), [validity, pa.py_buffer(offsets), pa.py_buffer(data)], null_count=-1
+            pa.string(), len(self.lengths), [validity, pa.py_buffer(offsets), data], null_count=-1
         )
         try:
             arr.validate(full=True)
@@ -188,9 +214,9 @@ class CallColumns:
     columns, whose values move into flat columns (:class:`ListColumn`, :class:`TextColumn`) as the call is
     added; the other columns are made per batch, by name."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: Mapping[str, bytearray] | None = None) -> None:
         self.lists = {name: ListColumn(name, SCHEMA.field(name).type.value_type == pa.int32()) for name in LIST_COLUMNS}
-        self.texts = {name: TextColumn(name) for name in TEXT_COLUMNS}
+        self.texts = {name: TextColumn(name, (buffers or {}).get(name)) for name in TEXT_COLUMNS}
         self.row_call: list[Mapping[str, Any]] = []  # per row: its call's mapping (shared by its choices)
         self.row_choice: list[Mapping[str, Any]] = []  # per row: its choice's mapping
         self.call_ids: list[str] = []  # one per call, in order
@@ -227,6 +253,12 @@ class CallColumns:
             self.row_choice.append(choice)
         self.call_ids.append(call_id)
         self.call_rows.append(len(choices))
+
+    def emptied(self) -> CallColumns:
+        """Empty columns for the next batch, reusing this batch's body buffers where nothing made from them
+        is alive any more (call once its table is written and dropped)."""
+        kept = {name: text.reuse() for name, text in self.texts.items()}
+        return CallColumns({name: buf for name, buf in kept.items() if buf is not None})
 
     def row_calls(self) -> np.ndarray:
         """Index of the call of every row."""

@@ -95,3 +95,25 @@ def test_values_that_fit_no_column_are_found_once_per_batch_and_only_their_calls
     }
     got = cols.table(drop={1, 2}, blank=set(exc.value.bad)).to_pylist()
     assert [(r["call_id"], r["completion_token_ids"]) for r in got] == [("c0", [1, 2]), ("c3", [7])]
+
+
+def test_the_next_batch_reuses_the_body_buffer_only_once_nothing_views_it() -> None:
+    cols = CallColumns()
+    v = _values(call_id="a", c=fx.Completion(ids=[1]))
+    cols.add("a", v.call, v.choices)
+    held = cols.table()  # a table still alive views the buffer: the next batch must not write into it
+    before = held.column("response").to_pylist()
+    nxt = cols.emptied()
+    assert nxt.texts["response"].buf is not cols.texts["response"].buf
+    w = _values(call_id="b", c=fx.Completion(ids=[2, 3], logprobs=[-1.0, -2.0], pieces=["x", "y"]))
+    nxt.add("b", w.call, w.choices)
+    nxt.table()
+    assert held.column("response").to_pylist() == before
+    del held
+    again = nxt.emptied()  # that table is gone: its buffer is reused, and reads what the new batch wrote
+    assert again.texts["response"].buf is nxt.texts["response"].buf
+    u = _values(call_id="c", c=fx.Completion(ids=[4]))
+    again.add("c", u.call, u.choices)
+    assert again.table().column("response").to_pylist() == [
+        fx.response_body("chat", False, fx.Completion(ids=[4])).decode()
+    ]
