@@ -114,8 +114,8 @@ def test_async_run_overlaps_and_bounds_staleness(home: Path, tmp_path: Path) -> 
     ) == [(0, 1, 1, 2), (1, 2, 2, 2), (2, 3, 3, 2)]
     spans = [step["spans"] for step in steps]
     for before, after in itertools.pairwise(spans):
-        assert after["publish"][0] >= before["evaluate"][1]
-    assert any(after["train"][0] < before["evaluate"][1] for before, after in itertools.pairwise(spans))
+        assert after["publish"][0] >= before["evaluate"][1], spans
+    assert any(after["train"][0] < before["evaluate"][1] for before, after in itertools.pairwise(spans)), spans
     assert [s["eval_sampled_reward_mean"] is not None for s in summary["iterations"]] == [True] * 3
     import mlflow
 

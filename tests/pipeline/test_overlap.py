@@ -185,3 +185,29 @@ def test_call_ages_count_only_calls_of_rollouts_with_a_result(tmp_path: Path, mo
     rows.append(dict(rows[0], call_id="empty", completion_token_ids=[]))  # nothing sampled: not trainable
     tables.replace_partition(settings.lake_dir, "model_calls", "r", 0, pa.Table.from_pylist(rows, schema=MODEL_CALLS))
     assert ov.call_ages(settings, "r", 0, policy_version=1) == {1: 2, 0: 3}
+
+
+@pytest.mark.slow
+def test_the_run_training_process_imports_torch_before_its_first_step(tmp_path: Path, monkeypatch) -> None:
+    """The trainer starts the run's training process when it starts (stages.start_trainer): the process has
+    loaded torch while the first batch still rolls out, before any step was asked of it."""
+    import time
+
+    from clawpipe.config import Settings
+    from clawpipe.pipeline import stages
+    from clawpipe.pipeline.train_worker import close_worker, worker_for
+
+    monkeypatch.setenv("CLAWPIPE_HOME", str(tmp_path))
+    settings = Settings()
+    stages.start_trainer(_cfg(), settings, "warm")
+    proc = worker_for("warm", settings.runs_dir / "warm" / "logs" / "trainer.log")._proc
+    try:
+        assert proc is not None and proc.poll() is None
+        maps = Path(f"/proc/{proc.pid}/maps")
+        deadline = time.monotonic() + 240
+        while "libtorch" not in maps.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert "libtorch" in maps.read_text(), (settings.runs_dir / "warm" / "logs" / "trainer.log").read_text()
+    finally:
+        close_worker("warm")
+    assert proc.wait(timeout=30) == 0  # stdin closed without a request: it exits cleanly
