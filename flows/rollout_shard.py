@@ -17,6 +17,7 @@ worker`` runs it before starting the Prefect worker.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import re
@@ -114,8 +115,9 @@ def rollout_shard(request: dict[str, Any]) -> dict[str, Any]:
 # --- the pipeline's side ---------------------------------------------------------------------------
 
 
+@functools.cache
 def ensure_deployment(pool: str) -> str:
-    """Register (or update) the rollout-shard deployment on the process pool ``pool``; its id."""
+    """Register (or update) the rollout-shard deployment on the process pool ``pool``, once per process; its id."""
     from flows.deploy import ensure_pool
 
     ensure_pool(pool)
