@@ -267,7 +267,13 @@ def host_proxy(
                 cmd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # the host's home (its HMAC secret, which the runner's keys are minted with) and this admin token
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "CLAWPIPE_HOME": str(home),
+                    "CLAWPIPE_ADMIN_TOKEN": admin_token,
+                },
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout

@@ -377,3 +377,29 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
     assert trained and not trained & set(cut)  # ... but none of them is in a trained sequence
     assert stats["calls_without_rollout"] > 0
     assert len(result["iterations"]) == 2 and killed["worker"] in ("hostA", "hostB")
+
+
+@pytest.mark.slow
+def test_one_host_proxy_per_host_shared_by_shards_and_stopped_with_the_worker(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from clawpipe.pipeline.services import host_proxy, stop_host_proxies
+    from tests.support.upstream import ScriptedUpstream, say
+
+    up = ScriptedUpstream(default=say("ok")).start()
+    home = tmp_path / "host"
+    try:
+        with ThreadPoolExecutor(2) as pool:  # two shards starting at once on one host
+            urls = list(pool.map(lambda _: host_proxy(home, [f"{up.url}/v1"], "admin"), range(2)))
+        assert urls[0] == urls[1]
+        (record,) = (home / "proxies").glob("*.json")
+        pid = json.loads(record.read_text())["pid"]
+        assert host_proxy(home, [f"{up.url}/v1"], "admin") == urls[0]  # a later shard reuses it
+        assert httpx.get(f"{urls[0]}/admin/health", headers={"authorization": "Bearer admin"}).status_code == 200
+        assert stop_host_proxies(home) == 1
+        assert not record.exists()
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        stop_host_proxies(home)
+        up.stop()
