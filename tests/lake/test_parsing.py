@@ -265,6 +265,30 @@ def test_large_prompt_fast_path_matches_the_plain_parse() -> None:
     assert json.loads(p.choices[0].tool_calls[0]["function"]["arguments"])["prompt_token_ids"] == [9, 9]
 
 
+@pytest.mark.parametrize(
+    ("ids", "lands"),
+    [
+        ("1, 2,\t3", [1, 2, 3]),  # spaces around commas: JSON
+        ("1 ,\n2", [1, 2]),
+        ("1, ,2", None),  # an empty place: not JSON, never a 0
+        ("1,,2", None),
+        ("1,2,", None),
+        (",1,2", None),
+        ("1,2 3", None),  # two numbers without a comma: never 23
+    ],
+)
+def test_large_prompt_fast_path_takes_json_lists_only(ids: str, lands: list[int] | None) -> None:
+    body = (
+        '{"object":"chat.completion","pad":"' + "x" * 40_000 + '","prompt_token_ids":[' + ids + "],"
+        '"choices":[{"index":0,"token_ids":[1],"finish_reason":"stop","message":{"content":"x"}}]}'
+    ).encode()
+    if lands is None:
+        with pytest.raises(ParseError):
+            parse_response("chat", False, body)
+    else:
+        assert list(parse_response("chat", False, body).prompt_token_ids) == lands
+
+
 def test_typed_fast_path_agrees_with_the_generic_parser() -> None:
     import orjson
 
