@@ -126,7 +126,7 @@ class PipelineConfig(BaseModel):
         # and NO entropy bonus: the untrained policy is near uniform (entropy 6.2 of ln 512 = 6.24), so a bonus
         # (0.02) held it there and the reward wandered; without it the entropy falls steadily. At 0.006 the
         # train reward's mean of the last 3 iterations ended at 0.16-0.23 over 10 iterations, under 3x the
-        # first iteration's when that one drew high (0.06); 0.01 ends at 0.21-0.27 (four runs, two seeds).
+        # first iteration's when that one drew high (0.06); 0.01 ends at 0.21-0.27 (six runs, two seeds).
         default_factory=lambda: {"learning_rate": 0.01, "entropy_coef": 0.0, "epochs": 6},
         description="Trainer settings (clawpipe.train TrainConfig fields), validated before the run starts.",
     )
