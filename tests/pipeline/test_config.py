@@ -141,7 +141,7 @@ def test_the_gpu_config_in_real_harnesses_md_loads(tmp_path: Path) -> None:
     import re
 
     doc = (Path(__file__).resolve().parents[2] / "harnesses" / "REAL_HARNESSES.md").read_text()
-    (block,) = re.findall(r"```toml\n(.*?)```", doc, re.S)
+    (block,) = [b for b in re.findall(r"```toml\n(.*?)```", doc, re.S) if 'engine = "vllm"' in b]
     p = tmp_path / "gpu.toml"
     p.write_text(block)
     cfg = load_config(p)
