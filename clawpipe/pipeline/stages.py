@@ -296,21 +296,25 @@ def summarize_results(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def land_captures(settings: Settings) -> dict[str, Any]:
-    """Land every new capture record and rollout result into the lake (idempotent)."""
-    from clawpipe.lake import land
-
-    return land(settings.captures_dir, settings.lake_dir).as_dict()
-
-
 def landed_fingerprint(settings: Settings, run_id: str, iteration: int) -> str:
-    """Names and sizes of the iteration's landed call and rollout files: the cache key of reconstruction."""
-    from clawpipe.tables import partition_dir
+    """Names and sizes of the iteration's landed call and rollout files: the cache key of reconstruction
+    (listed through the lake's filesystem, so an object-store lake has one too)."""
+    import posixpath
 
+    import pyarrow.fs as pafs
+
+    from clawpipe.tables import LakeFS, partition_rel
+
+    lake = LakeFS(settings.lake_dir)
     parts = []
     for table in ("model_calls", "rollouts"):
-        d = partition_dir(settings.lake_dir, table, run_id, iteration)
-        parts += sorted(f"{p.name}:{p.stat().st_size}" for p in d.glob("*.parquet")) if d.is_dir() else []
+        where = pafs.FileSelector(lake.full(partition_rel(table, run_id, iteration)), allow_not_found=True)
+        infos = lake.fs.get_file_info(where)
+        parts += sorted(
+            f"{posixpath.basename(i.path)}:{i.size}"
+            for i in infos
+            if i.type == pafs.FileType.File and i.path.endswith(".parquet")
+        )
     return ";".join(parts)
 
 

@@ -86,6 +86,31 @@ def test_land_twice_from_the_bucket(s3_bucket: str, tmp_path: Path, monkeypatch:
     assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == 3
 
 
+def test_the_reconstruct_cache_key_sees_a_bucket_lake(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline caches tree building by the landed files' names and sizes: on a bucket lake they are
+    listed from the bucket (a key that stayed empty would keep stale trees after more calls land)."""
+    from clawpipe.config import Settings
+    from clawpipe.pipeline.stages import landed_fingerprint
+
+    monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CLAWPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CLAWPIPE_LAKE_URI", f"{s3_bucket}/lake")
+    settings = Settings()
+    assert landed_fingerprint(settings, "run1", 0) == ""
+    cap, _ = _captures(tmp_path, 2, 5)
+    land(_upload(cap, s3_bucket), settings.lake_dir)
+    first = landed_fingerprint(settings, "run1", 0)
+    assert first.count(".parquet:") >= 2  # model_calls and rollouts, each with its size
+    more = tmp_path / "more"
+    fx.write_segment(more / "p9-000009.seg", [fx.record(call_id="late", rollout_id="r0", seq=9)])
+    up = Uploader(more, objstore.captures_url(f"{s3_bucket}/lake"), host="h2")
+    assert up.upload_once() == 1
+    land(objstore.captures_url(f"{s3_bucket}/lake"), settings.lake_dir)
+    assert landed_fingerprint(settings, "run1", 0) not in ("", first)
+
+
 def test_clawpipe_land_takes_a_bucket_url(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
