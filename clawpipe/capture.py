@@ -60,7 +60,9 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 EPOCH_MAX_S = 253_402_300_800.0  # 10000-01-01: the last second a timestamp column holds
 
+RUN_ID_MAX = 200  # a run id names a lake partition directory (run_id=<id>): file names stop at 255 bytes
 Id = Annotated[str, msgspec.Meta(min_length=1)]
+RunId = Annotated[str, msgspec.Meta(min_length=1, max_length=RUN_ID_MAX)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Epoch = Annotated[float, msgspec.Meta(ge=0.0, lt=EPOCH_MAX_S)]
 CallStatusName = Literal["ok", "http_error", "upstream_error", "cancelled"]  # schemas.CallStatus
@@ -87,9 +89,10 @@ class CaptureHeader(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     that far (no upstream picked, no answer) or where a format-2 header did not say.
     """
 
-    format: int = 2  # the proxy writes HEADER_FORMAT; a decoded header without the key is format 2
+    # the proxy writes HEADER_FORMAT; a decoded header without the key is format 2; a later format is refused
+    format: Annotated[int, msgspec.Meta(ge=2, le=HEADER_FORMAT)] = 2
     call_id: Id  # unique per call (random hex)
-    run_id: Id
+    run_id: RunId
     iteration: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
     rollout_id: Id
     seq: Count | None = None  # arrival order within the rollout (per proxy process)

@@ -137,7 +137,7 @@ def _format2_header(h: dict[str, Any], where: str) -> capture.CaptureHeader:
     return capture.CaptureHeader(
         format=2,
         call_id=_id(h.get("call_id"), "call_id"),
-        run_id=_id(h.get("run_id"), "run_id"),
+        run_id=_id(h.get("run_id"), "run_id", capture.RUN_ID_MAX),
         iteration=iteration,
         rollout_id=_id(h.get("rollout_id"), "rollout_id"),
         seq=rows.int_value(h.get("seq"), "header seq", 0, rows.INT64_MAX),
@@ -161,9 +161,11 @@ def _format2_header(h: dict[str, Any], where: str) -> capture.CaptureHeader:
     )
 
 
-def _id(value: Any, what: str) -> str:
+def _id(value: Any, what: str, max_length: int | None = None) -> str:
     if not isinstance(value, str) or not value:
         raise rows.BadValue(f"header {what} missing or not a string")
+    if max_length is not None and len(value) > max_length:
+        raise rows.BadValue(f"header {what} is {len(value)} characters long, longer than {max_length}")
     return value
 
 

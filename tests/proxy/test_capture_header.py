@@ -165,6 +165,8 @@ def _with(header: capture.CaptureHeader, change: dict[str, typing.Any], drop: st
         ({"status": "fine"}, "status", "Invalid enum value 'fine'"),
         ({"t_end": -3.0}, "t_end", ">= 0.0"),
         ({"drop": "rollout_id"}, "rollout_id", "missing"),
+        ({"run_id": "r" * 300}, "run_id", "length <= 200"),  # longer than a partition directory's name may be
+        ({"format": capture.HEADER_FORMAT + 1}, "format", f"<= {capture.HEADER_FORMAT}"),
     ],
 )
 def test_a_typed_headers_bad_field_is_one_reject_naming_segment_record_and_field(
@@ -189,3 +191,12 @@ def test_decode_header_names_the_field_and_where() -> None:
 def test_the_headers_vocabularies_are_the_schemas() -> None:
     assert set(typing.get_args(capture.CallStatusName)) == {s.value for s in schemas.CallStatus}
     assert set(typing.get_args(capture.TokenSourceName)) == {s.value for s in schemas.TokenSource}
+
+
+def test_a_format_2_header_with_a_run_id_too_long_for_a_partition_is_one_reject(tmp_path: Path) -> None:
+    frames = [_frame(FORMAT2_HEADER), _frame(dict(FORMAT2_HEADER, call_id="long", run_id="r" * 300))]
+    _write(tmp_path / "cap" / "old-2.seg", frames)
+    rep = land(tmp_path / "cap", tmp_path / "lake")
+    assert (rep.calls, rep.rejects) == (1, 1)
+    (reason,) = run_sql(tmp_path / "lake", "select reason from rejects").column(0).to_pylist()
+    assert "header run_id is 300 characters long, longer than 200" in reason
