@@ -162,6 +162,10 @@ async def _finish(
             t0 = time.monotonic()
             try:
                 evaluation = await asyncio.to_thread(evaluate, cfg, run_id, iteration, version, services)
+            except BaseException as exc:
+                # said before the waiting publish is let go, so the next step stops instead of publishing
+                shared.stop = shared.stop or f"step {iteration} failed: {exc}"
+                raise
             finally:
                 shared.evaluated()
                 shared.span("trainer", "evaluate", iteration, t0)

@@ -58,10 +58,12 @@ class Overlap:
     policy_dir: str = ""  # ... and its checkpoint, what the next step trains from
     spans: list[tuple[str, str, int, float, float]] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
-    _idle: threading.Event = field(default_factory=threading.Event)  # set while no evaluation runs
+    # evaluations running: a count, not a flag, since a skipped step (nothing to publish) starts its own
+    # evaluation while the previous one may still run, and the first to end must not free the next publish
+    _evaluations: int = 0
+    _evaluations_changed: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
-        self._idle.set()
         if self.trained < 0:
             self.trained, self.policy_version = self.state.next_iteration, self.state.policy_version
             self.policy_dir = self.state.policy_dir
@@ -77,18 +79,24 @@ class Overlap:
         return {**self.state.position(), "policy_dir": self.policy_dir, "policy_version": self.policy_version}
 
     def evaluating(self) -> None:
-        """An evaluation of the live policy starts: no publish until ``evaluated``."""
-        self._idle.clear()
+        """An evaluation of the live policy starts: no publish until it is ``evaluated``."""
+        with self._evaluations_changed:
+            self._evaluations += 1
 
     def evaluated(self) -> None:
-        self._idle.set()
+        with self._evaluations_changed:
+            self._evaluations -= 1
+            self._evaluations_changed.notify_all()
 
     def wait_evaluated(self, poll_s: float = 0.5) -> float:
         """Block (a step about to publish) until no evaluation runs; the seconds waited. Raises when a side
-        stopped meanwhile."""
+        stopped meanwhile or before, so a step does not publish after an evaluation failed."""
         t0 = time.monotonic()
-        while not self._idle.wait(poll_s):
-            self.check()
+        with self._evaluations_changed:
+            while self._evaluations > 0:
+                self.check()
+                self._evaluations_changed.wait(poll_s)
+        self.check()
         return time.monotonic() - t0
 
     def span(self, side: str, stage: str, iteration: int, start: float) -> None:

@@ -64,6 +64,30 @@ def test_publish_waits_while_an_evaluation_runs() -> None:
         shared.wait_evaluated(poll_s=0.05)
 
 
+def test_publish_waits_until_every_running_evaluation_ended() -> None:
+    import threading
+
+    # a skipped step (nothing to publish) starts its evaluation while the previous step's still runs
+    shared = ov.Overlap(cfg=_cfg(), state=RunState(run_id="r", config={}, policy_dir="/p"))
+    shared.evaluating()
+    shared.evaluating()
+    shared.evaluated()  # the first evaluation ends; the second still rolls out on the live policy
+    done = threading.Event()
+    threading.Thread(target=lambda: (shared.wait_evaluated(poll_s=0.05), done.set()), daemon=True).start()
+    assert not done.wait(0.4)  # the publish still waits
+    shared.evaluated()
+    assert done.wait(5)
+
+
+def test_publish_after_a_failed_evaluation_raises_instead_of_publishing() -> None:
+    shared = ov.Overlap(cfg=_cfg(), state=RunState(run_id="r", config={}, policy_dir="/p"))
+    shared.evaluating()
+    shared.stop = "step 3 failed: evaluation rollouts failed"
+    shared.evaluated()  # the evaluation ended, in failure, before the next step reached its publish
+    with pytest.raises(ClawpipeError, match="step 3 failed"):
+        shared.wait_evaluated(poll_s=0.05)
+
+
 def test_spans_are_kept_per_iteration() -> None:
     import time
 
