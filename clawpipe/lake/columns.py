@@ -57,7 +57,7 @@ class ListColumn:
                 arr = np.asarray(v)
                 if self.ids and len(arr) and (arr.min() < -(2**31) or arr.max() > rows.INT32_MAX):
                     raise OverflowError
-                self.buf.frombytes(arr.astype(self.buf.typecode).tobytes())
+                self.buf.frombytes(memoryview(arr.astype(self.buf.typecode)).cast("B"))  # no bytes copy
         except OverflowError:
             del self.buf[n:]
             raise rows.BadValue(f"{self.name}: {_problem(v, self.ids)}") from None
@@ -134,14 +134,16 @@ class TextColumn:
     each row's length, and its null rows.
 
     Each body is copied in as its call is added (still in cache, and the body object is freed at once), into
-    a buffer that the next batch of the partition reuses (:meth:`reuse`): on this kind of machine a
-    freshly allocated page costs more than the copy, and a batch would otherwise touch its bodies' worth of
-    fresh pages twice (the bodies held, then joined)."""
+    the buffer the partition's previous row group used (:meth:`reuse`): on this kind of machine a freshly
+    allocated page costs more than the copy, and a row group would otherwise touch its bodies' worth of
+    fresh pages twice (the bodies held, then joined). Bodies that do not fit (the first row group, or a
+    larger one) are held and joined with the buffer once, into a buffer of the new size."""
 
     def __init__(self, name: str, buf: bytearray | None = None) -> None:
         self.name = name
         self.buf = buf if buf is not None else bytearray()
         self.end = 0  # bytes of ``buf`` in use
+        self.spill: list[bytes] = []  # bodies after those in ``buf`` (it was full)
         self.lengths: list[int] = []
         self.nulls: list[int] = []
 
@@ -151,42 +153,59 @@ class TextColumn:
             self.lengths.append(0)
             return
         start, n = self.end, len(v)
-        end = start + n
-        if end <= len(self.buf):
-            self.buf[start:end] = v  # same length: a copy in place, never a resize
+        if not self.spill and start + n <= len(self.buf):
+            self.buf[start : start + n] = v  # same length: a copy in place, never a resize
+            self.end = start + n
         else:
-            self.buf[start:] = v  # grows (the first row groups only, while the buffer is not reused yet)
-        self.end = end
+            self.spill.append(v)
         self.lengths.append(n)
 
     def truncate(self, n_rows: int) -> None:
         """Drop the rows from ``n_rows`` on (a call that turned out to be a reject)."""
-        self.end -= sum(self.lengths[n_rows:])
+        nulls = set(self.nulls)
+        for row in range(len(self.lengths) - 1, n_rows - 1, -1):
+            if row in nulls:
+                continue
+            if self.spill:
+                self.spill.pop()
+            else:
+                self.end -= self.lengths[row]
         del self.lengths[n_rows:]
         self.nulls = [r for r in self.nulls if r < n_rows]
+
+    def _data(self) -> bytearray:
+        """The buffer holding every body (the spilled ones joined in: one copy)."""
+        if self.spill:
+            self.buf = bytearray().join([memoryview(self.buf)[: self.end], *self.spill])
+            self.end, self.spill = len(self.buf), []
+        return self.buf
 
     def value(self, row: int) -> bytes | None:
         if row in self.nulls:
             return None
         start = sum(self.lengths[:row])
-        return bytes(self.buf[start : start + self.lengths[row]])
+        return bytes(self._data()[start : start + self.lengths[row]])
 
     def reuse(self) -> bytearray | None:
-        """The buffer, for the next batch, once nothing made from it is alive (else None: a fresh one).
+        """The buffer, for the next row group, once nothing made from it is alive (else None: a fresh one).
 
         Arrow columns made by :meth:`array` view the buffer without a copy; while one lives, the buffer
         cannot be resized, which is how a view still held is told apart (writing into it would change a
-        column someone still reads)."""
+        column someone still reads). The probe shrinks and regrows it by one byte: never a reallocation."""
+        buf = self.buf
+        if not buf:
+            return None
         try:
-            self.buf.append(0)
-            del self.buf[-1]
+            last = buf.pop()
+            buf.append(last)
         except BufferError:
             return None
-        return self.buf
+        return buf
 
     def array(self) -> pa.Array:
         """The column as Arrow strings viewing the buffer (no copy), UTF-8 checked once over all of it; a
         body that is not UTF-8 is kept as far as it reads."""
+        data = self._data()
         if self.end > rows.INT32_MAX:  # past 32-bit offsets: let Arrow chunk it
             return pa.array([self.value(i) for i in range(len(self.lengths))], type=pa.binary()).cast(pa.string())
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int32)
@@ -196,9 +215,9 @@ class TextColumn:
             m = np.ones(len(self.lengths), dtype=bool)
             m[self.nulls] = False
             validity = pa.array(m).buffers()[1]
-        data = pa.py_buffer(memoryview(self.buf)[: self.end])
+        view = pa.py_buffer(memoryview(data)[: self.end])
         arr = pa.Array.from_buffers(
-            pa.string(), len(self.lengths), [validity, pa.py_buffer(offsets), data], null_count=-1
+            pa.string(), len(self.lengths), [validity, pa.py_buffer(offsets), view], null_count=-1
         )
         try:
             arr.validate(full=True)

@@ -381,7 +381,7 @@ def _stream_error_text(last: dict[str, Any]) -> str:
 
 _CUT_MIN_BYTES = 32 << 10
 _PROMPT_KEY = b'"prompt_token_ids"'
-_NUMERIC = b"0123456789, -\n\r\t"
+_DIGITS = b"0123456789,-"
 _JSON_SPACE = b" \n\r\t"
 
 
@@ -403,11 +403,16 @@ def _cut_prompt_ids(body: bytes) -> tuple[bytes, np.ndarray] | None:
     if k < 0:
         return None
     inner = body[j + 1 : k]
-    if inner.translate(None, _NUMERIC):
-        return None  # not plain integers
-    compact = inner.translate(None, _JSON_SPACE)
-    if not compact or compact[:1] == b"," or compact[-1:] == b"," or b",," in compact:
-        return None  # empty places NumPy would pass over, or read as 0
+    compact = inner
+    spaces = inner.translate(None, _DIGITS)  # one pass; empty for compact JSON (what servers write)
+    if spaces:
+        if spaces.translate(None, _JSON_SPACE):
+            return None  # not plain integers
+        compact = inner.translate(None, _JSON_SPACE)
+        if b",," in compact:
+            return None  # an empty place ("1, ,2"): NumPy would read a 0
+    if not compact or compact[:1] == b"," or compact[-1:] == b",":
+        return None  # an empty place at either end: NumPy would pass over it
     with warnings.catch_warnings():
         # a malformed list (a number cut short, two in a row) warns where it stops reading: an error here,
         # which spares counting the commas of every list to find out
