@@ -57,7 +57,7 @@ class ListColumn:
                 arr = np.asarray(v)
                 if self.ids and len(arr) and (arr.min() < -(2**31) or arr.max() > rows.INT32_MAX):
                     raise OverflowError
-                self.buf.frombytes(memoryview(arr.astype(self.buf.typecode)).cast("B"))  # no bytes copy
+                self.buf.frombytes(arr.astype(self.buf.typecode).data.cast("B"))  # no bytes copy
         except OverflowError:
             del self.buf[n:]
             raise rows.BadValue(f"{self.name}: {_problem(v, self.ids)}") from None
