@@ -257,6 +257,9 @@ def write_transcript(reply: dict[str, Any] | None, stdout_path: Path, output: Pa
     read); nothing when cli.toml has no [reply] or the reply cannot be found (the verifier then says so)."""
     if not reply:
         return
+    # The agent's tools can write files where the launcher writes: a transcript found there is not the
+    # CLI's reply (an error result would be scored as whatever the agent put there), so it goes first.
+    (output / "transcript.json").unlink(missing_ok=True)
     try:
         if stdout_path.stat().st_size > MAX_STDOUT_BYTES:
             raise ValueError(f"larger than {MAX_STDOUT_BYTES} bytes")

@@ -105,3 +105,16 @@ def test_garbage_missing_and_oversized_output_give_no_reply(tmp_path: Path) -> N
     assert long == "y" * kit.MAX_REPLY_CHARS
     kit.write_transcript({}, big, out)  # a CLI without [reply] writes no transcript
     assert not (out / "transcript.json").exists()
+
+
+@pytest.mark.parametrize("harness", ["claude-code", "qwen-code", "openclaw"])
+def test_a_transcript_the_agent_wrote_is_not_scored_in_place_of_an_error_result(harness: str, tmp_path: Path) -> None:
+    kit = launcher()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "transcript.json").write_text(json.dumps({"final": "blue moon"}))  # written by the agent's shell tool
+    stdout = out / "cli.out"
+    failed = {"claude-code": lambda: claude("blue moon", error=True), "openclaw": lambda: openclaw("x", ok=False)}
+    stdout.write_text(failed.get(harness, lambda: qwen("Error: model failed", error=True))())
+    kit.write_transcript(reply_table(harness), stdout, out)
+    assert not (out / "transcript.json").exists()
