@@ -9,8 +9,10 @@
   was killed, so nobody reports the end): given up;
 - not finished ``shard_timeout_s`` after submission: given up.
 
-A shard given up is fenced (a marker it checks before uploading its rows) and marked crashed. The
-rollouts of an ended shard that have no result row in the store run again in a new shard as
+A shard given up is fenced (its decision object claimed as given up, :func:`shards.decide`; the shard
+claims it as published before uploading its rows, and the store lets one of them win) and marked
+crashed; one that had claimed first is publishing, and its rows are awaited for one more
+``shard_stall_s``. The rollouts of an ended shard that have no result row in the store run again in a new shard as
 ``<id>.a<N>`` (N: the batch's attempt counter on disk), at most ``max_attempts`` times each.
 """
 
@@ -27,10 +29,13 @@ from clawpipe import objstore
 from clawpipe.config import Settings
 from clawpipe.errors import SandboxError
 from clawpipe.pipeline.shards import (
+    GIVEN_UP,
+    PUBLISHED,
     AttemptCounter,
     ShardRequest,
     attempt_id,
     attempt_ids,
+    decide,
     lake_uri_of,
     plan,
     shard_state_path,
@@ -74,6 +79,7 @@ class _Live:
     submitted: float
     beat: str = ""
     changed: float = 0.0
+    publishing: float = 0.0  # when the pipeline found the shard had claimed its rows (0: not found so)
 
 
 @dataclasses.dataclass
@@ -162,6 +168,13 @@ class FanOut:
             if state == "failed":
                 log.warning("batch %s: shard %s ended %s", self.batch_id, shard.req.key, state)
             return True
+        if shard.publishing:
+            if all(rid in self._final_rows(include_infra=True) for rid in shard.req.rollout_ids.values()):
+                return True
+            if now - shard.publishing <= self.cfg.shard_stall_s:
+                return False
+            # claimed, then silent for a whole stall period: it died between its claim and its one upload
+            return self._give_up(handle, shard, "claimed its rows but never uploaded them")
         reason = ""
         if now - shard.submitted > self.cfg.shard_timeout_s:
             reason = f"not finished within shard_timeout_s={self.cfg.shard_timeout_s:.0f}"
@@ -178,7 +191,14 @@ class FanOut:
                 reason = f"heartbeat stopped for {quiet:.0f}s (shard_stall_s={self.cfg.shard_stall_s:.0f})"
         if not reason:
             return False
-        self._fence(shard.req)
+        if decide(self.lake_uri, shard.req, GIVEN_UP) == PUBLISHED:
+            shard.publishing = now
+            log.info("batch %s: shard %s claimed its rows before it could be given up: awaiting them", self.batch_id,
+                     shard.req.key)  # fmt: skip
+            return False
+        return self._give_up(handle, shard, reason)
+
+    def _give_up(self, handle: str, shard: _Live, reason: str) -> bool:
         self.runner.give_up(handle, f"shard {shard.req.key}: {reason}; its rollouts run again elsewhere")
         self.given_up.append(shard.req.key)
         log.warning("batch %s: shard %s given up: %s", self.batch_id, shard.req.key, reason)
@@ -190,10 +210,6 @@ class FanOut:
             return str(fs.cat_file(path).decode())
         except FileNotFoundError:
             return ""
-
-    def _fence(self, req: ShardRequest) -> None:
-        fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".fenced"))
-        fs.pipe_file(path, b"given up")
 
     def _rerun(self, req: ShardRequest, live: dict[str, _Live]) -> None:
         rows = self._final_rows()

@@ -13,8 +13,11 @@ The pipeline (clawpipe/pipeline/fanout.py) watches each shard through its flow r
 the lake; every rollout of a shard that ended without its row runs again in a new shard, on any worker,
 as ``<id>.a<N>`` in the same GRPO group (:func:`attempt_id`, the rule the in-process stage uses for
 retries), where N counts the batch's attempts on disk, so an id is never reused. A shard given up is
-fenced (a marker in the lake it checks before uploading its rows), so one that was only slow cannot add
-rows after its rollouts were rerun.
+fenced, and a shard that was only slow cannot add rows after its rollouts were rerun: before uploading
+its rows a shard claims its decision object (``<key>.decision``) with a conditional create, and the
+pipeline gives a shard up by claiming the same object, so the store lets exactly one of them decide
+(:func:`decide`). A shard the pipeline wanted to give up but that had claimed first is publishing: the
+pipeline waits for its rows instead of rerunning it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from clawpipe.errors import ConfigError, SandboxError
 
 log = logging.getLogger(__name__)
 
-SHARDS_DIR = "_shards"  # under the lake root: heartbeats and fences of shards
+SHARDS_DIR = "_shards"  # under the lake root: heartbeats and decisions of shards
+PUBLISHED = "published"  # a shard's decision: its rows go to the store
+GIVEN_UP = "given up"  # the pipeline's: its rollouts run again elsewhere
 
 
 # --- splitting and attempt ids ------------------------------------------------------------------------
@@ -159,7 +164,7 @@ def lake_uri_of(settings: Settings) -> str:
 
 
 def shard_state_path(lake_uri: str, req: ShardRequest, suffix: str) -> str:
-    """``<lake>/_shards/<run>/<iteration>/<key><suffix>``: the shard's heartbeat (.json) or fence (.fenced)."""
+    """``<lake>/_shards/<run>/<iteration>/<key><suffix>``: the shard's heartbeat (.json) or decision (.decision)."""
     return f"{lake_uri}/{SHARDS_DIR}/{req.run_id}/{req.iteration}/{req.key}{suffix}"
 
 
@@ -221,8 +226,9 @@ def run_shard(
     The heartbeat starts first, so a shard waiting in ``hold()`` (the host's sandbox slots) shows alive.
 
     Rollouts go through this host's capture proxy (started on first use). When they are done, the proxy
-    seals and uploads its captures; then the shard's result rows are uploaded, unless the pipeline fenced
-    this attempt meanwhile. Raises on any failure, leaving no rows, so the pipeline reruns the shard.
+    seals and uploads its captures; then the shard's result rows are uploaded, unless the pipeline gave
+    this attempt up meanwhile (:func:`decide`). Raises on any failure, leaving no rows, so the pipeline
+    reruns the shard.
     """
     from clawpipe.pipeline.config import PipelineConfig
     from clawpipe.pipeline.stages import sample_specs, summarize_results
@@ -245,7 +251,7 @@ def run_shard(
     try:
         with hold():
             results = _run_and_flush(req, settings, cfg, specs, concurrency, beat)
-        if _exists(shard_state_path(lake, req, ".fenced")):
+        if decide(lake, req, PUBLISHED) != PUBLISHED:
             raise SandboxError(f"shard {req.key} was given up by the pipeline (fenced); its rows are not published")
         local = _local_results(settings, req)
         fs, path = objstore.filesystem(results_url(lake, host, req))
@@ -298,6 +304,11 @@ def _run_and_flush(
     return results
 
 
-def _exists(url: str) -> bool:
-    fs, path = objstore.filesystem(url)
-    return bool(fs.exists(path))
+def decide(lake_uri: str, req: ShardRequest, outcome: str) -> str:
+    """Decide the shard's fate once: ``outcome`` if this call created its decision object (a conditional
+    create, so of the shard publishing and the pipeline giving up exactly one wins), else the outcome
+    already there."""
+    fs, path = objstore.filesystem(shard_state_path(lake_uri, req, ".decision"))
+    if objstore.create_exclusive(fs, path, outcome.encode()):
+        return outcome
+    return str(fs.cat_file(path).decode())

@@ -172,8 +172,9 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
     groups = run_sql(lake, f"select group_id, count(*) n from rollouts where run_id = '{run_id}' group by 1")
     assert sorted(g["n"] for g in groups.to_pylist()) == [4, 4, 4, 4]  # every group complete
     fs_shards, shards_root = objstore.filesystem(f"{lake}/{shards.SHARDS_DIR}/{run_id}/0")
-    fenced = [p.rsplit("/", 1)[-1] for p in fs_shards.glob(f"{shards_root}/*.fenced")]
-    assert f"{killed['key']}.fenced" in fenced  # the killed shard was given up ...
+    decisions = {p.rsplit("/", 1)[-1]: fs_shards.cat_file(p) for p in fs_shards.glob(f"{shards_root}/*.decision")}
+    fenced = [name for name, outcome in decisions.items() if outcome == shards.GIVEN_UP.encode()]
+    assert f"{killed['key']}.decision" in fenced  # the killed shard was given up ...
     rerun = one(
         f"select count(*) n from rollouts where run_id = '{run_id}' and iteration = 0 and rollout_id like '%.a_'"
     )

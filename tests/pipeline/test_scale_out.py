@@ -149,8 +149,35 @@ def test_a_stalled_shard_is_fenced_and_rerun_under_new_ids(tmp_path: Path) -> No
     assert list(rerun.rollout_ids) == list(stalled.rollout_ids)  # the same rollouts, in the same groups ...
     assert list(rerun.rollout_ids.values()) == [f"{sid}.a2" for sid in stalled.rollout_ids]  # ... under new ids
     assert 10 < now[0] < 20  # noticed once the heartbeat had been still for shard_stall_s
-    fs, path = fsspec.core.url_to_fs(shards.shard_state_path(lake, stalled, ".fenced"))
-    assert fs.exists(path)  # a late upload by the stalled shard is refused by the shard itself
+    # a late upload by the stalled shard is refused: the decision it would claim is taken
+    assert shards.decide(lake, stalled, shards.PUBLISHED) == shards.GIVEN_UP
+
+
+def test_a_shard_that_claimed_its_rows_first_is_awaited_not_rerun(tmp_path: Path) -> None:
+    """The shard decides to publish just as its heartbeat goes quiet for shard_stall_s: the pipeline's
+    give-up loses the conditional create, waits for the rows and reruns nothing (the group stays whole)."""
+    cfg = PipelineConfig(
+        groups=2, samples=3, shard_size=2, shard_stall_s=10, backend="process", eval_tasks=0, harnesses=CHAT_LOOP
+    )
+    specs = sample_specs(cfg, "run1", 0, policy_version=0)
+    lake = f"memory://lake-{uuid.uuid4().hex[:8]}"
+    runner = ScriptedRunner(lake, stall={1})
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+        slow = next(r for r in runner.reqs.values() if r.index == 1)
+        if now[0] >= 9 and shards.decide(lake, slow, shards.PUBLISHED) == shards.PUBLISHED and now[0] >= 14:
+            runner.stall.discard(1)  # its one upload lands a few seconds after its claim
+
+    fan = fanout.FanOut(
+        cfg, specs, runner, lake, "rollout-0", [], shards.AttemptCounter(tmp_path / "attempt"),
+        clock=lambda: now[0], sleep=sleep,
+    )  # fmt: skip
+    out = fan.run()
+    assert out["n"] == 6 and fan.given_up == [] and runner.given_up == {}
+    assert [r.key for r in fan.submitted] == ["rollout-0.s0.a1", "rollout-0.s1.a1", "rollout-0.s2.a1"]
+    assert shards.decide(lake, fan.submitted[1], shards.GIVEN_UP) == shards.PUBLISHED
 
 
 def test_a_shard_taken_by_a_worker_that_died_starting_it_is_rerun(tmp_path: Path) -> None:
