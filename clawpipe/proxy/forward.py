@@ -377,6 +377,9 @@ class CallPath:
         ok = await fut
         self.owner.stats[header.status or "ok"] += 1
         self.owner.stats["calls"] += 1
+        if not ok:
+            self.owner.stats["capture_failures"] += 1
+            log.error("call not recorded call_id=%s rollout_id=%s", header.call_id, header.rollout_id)
         return ok
 
 
