@@ -96,7 +96,8 @@ def read_events(body: bytes) -> list[SSEEvent]:
 def json_events(body: bytes) -> list[dict[str, Any]]:
     """The JSON objects a complete SSE body carries, in order: what :func:`clawpipe.apis.reassemble` takes.
 
-    The ``[DONE]`` marker and payloads that are not a JSON object (a torn last event) are left out.
+    The ``[DONE]`` marker and payloads that are not a JSON object (a torn last event, or one nested too deep
+    to parse) are left out.
     """
     events = []
     for ev in read_events(body):
@@ -104,7 +105,7 @@ def json_events(body: bytes) -> list[dict[str, Any]]:
             continue
         try:
             obj = json.loads(ev.data)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(obj, dict):
             events.append(obj)
