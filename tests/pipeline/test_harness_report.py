@@ -71,3 +71,44 @@ def test_the_run_table_sums_figures_and_pools_the_reward_spread() -> None:
         "4",
     ]
     assert run_harness_table([{"by_harness": {"codex": {"n": 2, "reward_mean": 0.5}}}]) == ""
+
+
+def test_the_lakes_figures_count_training_rollouts_their_latest_attempt_and_every_call(tmp_path: Path) -> None:
+    from clawpipe import capture
+    from clawpipe.lake import land
+    from clawpipe.pipeline.report import harness_details
+    from tests.lake import fixtures as fx
+
+    captures = tmp_path / "captures"
+    failed = capture.encode_record(  # an error call: no choices, still one call of its rollout
+        fx.header(rollout_id="a0", seq=2, status="http_error", http_status=500, error="boom"),
+        fx.request_body("chat", False),
+        b'{"error": {"message": "boom"}}',
+    )
+    calls = [fx.record(rollout_id=r, seq=i) for r, i in (("a0", 0), ("a0", 1), ("a1", 0), ("b0", 0), ("e0", 0))]
+    fx.write_segment(captures / "s-1.seg", [*calls, failed, fx.record(rollout_id="x0")])
+    fx.write_results(
+        captures,
+        [
+            fx.rollout_row("a0", harness="codex", reward=1.0),
+            fx.rollout_row("a1", harness="codex", reward=1.0, attempt=0),
+            fx.rollout_row("a1", harness="codex", reward=0.0, attempt=1),  # the latest attempt counts
+            fx.rollout_row("b0", reward=0.5),
+            fx.rollout_row("e0", harness="codex", eval=True),  # held-out evaluation: not a training rollout
+            fx.rollout_row("x0", harness="codex", status="infra_error", reward=None),  # rerun elsewhere
+        ],
+    )
+    lake = tmp_path / "lake"
+    assert land(captures, lake).rejects == 0
+    got = harness_details(lake, "run1", 0)
+    per_call = {"prompt_tokens": 4, "completion_tokens": 3}  # fixtures' Completion: 4 prompt ids, 3 sampled
+    assert got["codex"] == {
+        "rollouts": 2,
+        "reward_std": 0.5,
+        "calls": 4,
+        **{k: 3 * v for k, v in per_call.items()},  # the error call has no token counts
+        "spliced_tokens": 0,
+        "drift_branches": 0,
+        "rewrite_branches": 0,
+    }
+    assert (got["chat-loop"]["rollouts"], got["chat-loop"]["calls"], got["chat-loop"]["prompt_tokens"]) == (1, 1, 4)
