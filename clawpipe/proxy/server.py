@@ -153,9 +153,13 @@ class ProxyServer:
         self._drained.set()
         self._stop_event = asyncio.Event()
         self.writer.start(loop.call_soon_threadsafe)
-        self._server = await loop.create_server(
-            lambda: ClientConn(self), cfg.host, cfg.port, backlog=2048, reuse_address=True
-        )
+        try:
+            self._server = await loop.create_server(
+                lambda: ClientConn(self), cfg.host, cfg.port, backlog=2048, reuse_address=True
+            )
+        except BaseException:  # a port in use, say: the writer started for this proxy stops with it
+            await loop.run_in_executor(None, self.writer.close)
+            raise
         self.port = self._server.sockets[0].getsockname()[1]
         self._tick = min(1.0, cfg.upstream_timeout_s / 4, cfg.header_timeout_s / 4, cfg.idle_timeout_s / 4)
         loop.call_later(self._tick, self._check_timeouts)

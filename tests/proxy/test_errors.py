@@ -196,3 +196,19 @@ def test_a_call_that_could_not_be_recorded_is_500_and_counted_as_a_capture_failu
         f"{proxy.url}/admin/stats", headers={"authorization": f"Bearer {proxy.server.config.admin_token}"}
     )
     assert (stats.json()["capture_failures"], stats.json()["calls"]) == (1, 2)
+
+
+def test_a_proxy_that_cannot_bind_leaves_no_capture_writer_running(tmp_path, proxy: ProxyHandle, upstream) -> None:
+    import threading
+
+    from clawpipe.proxy.server import ProxyServer
+    from tests.proxy.conftest import ADMIN
+
+    cap = tmp_path / "second"
+    second = ProxyServer(
+        upstreams=[upstream.url], capture_dir=cap, secret=SECRET, admin_token=ADMIN, port=proxy.server.port
+    )
+    with pytest.raises(OSError):  # the first proxy holds the port
+        second.start()
+    assert not [t for t in threading.enumerate() if t.name == f"capture-{second.instance}"]
+    assert list(cap.glob("*.open")) == []  # no segment left open (and locked) by a writer nobody stops
