@@ -149,7 +149,12 @@ def _header_problem(msg: str, where: str) -> str:
         )
     if " - at `$." in msg:
         what, at = msg.split(" - at `$.", 1)
-        return f"{prefix}capture header field {at.rstrip('`')}: {what}"
+        field = at.rstrip("`")
+        if field == "format":
+            what += (
+                f" (this clawpipe reads header formats 2 to {HEADER_FORMAT}; land it with the version that wrote it)"
+            )
+        return f"{prefix}capture header field {field}: {what}"
     return f"{prefix}capture header: {msg}"
 
 
