@@ -80,7 +80,8 @@ def test_writing_past_the_quota_is_disk_quota_and_the_neighbour_is_unaffected(
     assert [r.status for r in res] == ["disk_quota", "disk_quota", "succeeded"], [r.stderr_tail[-300:] for r in res]
     assert "disk quota ([resources] disk_mb = 16)" in res[0].error  # stderr itself hit the quota: it says nothing
     assert res[2].reward == 1.0 and res[2].n_calls == 1
-    assert free - disk_free(tmp_path) < 8 << 20  # 64 MiB written twice, none of it on the host's disk
+    # 64 MiB written twice, none of it on the host's disk (the margin absorbs other processes' writes)
+    assert free - disk_free(tmp_path) < 32 << 20
     assert not [p for p in (tmp_path / "scratch").rglob("*") if p.name == "work"]  # unmounted and removed
 
 
