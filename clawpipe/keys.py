@@ -13,6 +13,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
+from clawpipe.capture import INT32_MAX, RUN_ID_MAX
 from clawpipe.errors import KeyVerificationError
 
 PREFIX = "cp1"
@@ -39,10 +40,16 @@ def _mac(secret: bytes, payload: str) -> str:
 
 
 def mint_key(secret: bytes, *, run_id: str, iteration: int, rollout_id: str) -> str:
-    """Return the key that attributes calls to this rollout."""
+    """Return the key that attributes calls to this rollout. Refuses what landing would reject (a run id
+    too long to name a partition, an iteration outside its column), so such a rollout fails before any of
+    its calls is captured rather than after."""
     for name, value in (("run_id", run_id), ("rollout_id", rollout_id)):
         if not value or _SEP in value or "/" in value:
             raise KeyVerificationError(f"{name}={value!r} must be non-empty without '/' or \\x1f")
+    if len(run_id) > RUN_ID_MAX:
+        raise KeyVerificationError(f"run_id is {len(run_id)} characters long; at most {RUN_ID_MAX} name a partition")
+    if isinstance(iteration, bool) or not 0 <= int(iteration) <= INT32_MAX:
+        raise KeyVerificationError(f"iteration={iteration!r} must be an integer in [0, {INT32_MAX}]")
     payload = _b64(_SEP.join((run_id, str(int(iteration)), rollout_id)).encode())
     return f"{PREFIX}.{payload}.{_mac(secret, payload)}"
 

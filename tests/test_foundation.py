@@ -161,3 +161,14 @@ def test_private_docker_engine_runs_a_container(docker_host: str, tmp_path: Path
         remove=True,
     )
     assert out.strip() == b"hello from docker"
+
+
+def test_keys_are_refused_for_ids_landing_would_reject() -> None:
+    """A rollout whose calls could never land fails when its key is minted, before anything is captured."""
+    secret = b"k" * 32
+    with pytest.raises(KeyVerificationError, match="201 characters long; at most 200"):
+        keys.mint_key(secret, run_id="r" * 201, iteration=0, rollout_id="x")
+    for bad in (-1, 2**31, True):
+        with pytest.raises(KeyVerificationError, match="iteration="):
+            keys.mint_key(secret, run_id="run1", iteration=bad, rollout_id="x")
+    assert keys.verify_key(secret, keys.mint_key(secret, run_id="r" * 200, iteration=2**31 - 1, rollout_id="x"))
