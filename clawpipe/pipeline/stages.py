@@ -157,7 +157,7 @@ def sample_specs(
     """RolloutSpecs for one iteration: groups x samples per harness (train), or one greedy rollout per
     held-out task per harness (evaluation, marked eval so training never sees it)."""
     from clawpipe.sandbox.manifest import find_harness
-    from clawpipe.sandbox.runner import RolloutSpec
+    from clawpipe.sandbox.rollout import RolloutSpec
     from clawpipe.tasks import get_task_set
 
     specs = []

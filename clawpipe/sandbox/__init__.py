@@ -14,7 +14,8 @@ from clawpipe.sandbox.manifest import (
     load_task_file,
     validate_task,
 )
-from clawpipe.sandbox.runner import RolloutResult, RolloutSpec, iter_rollouts, masked_groups, run_rollouts
+from clawpipe.sandbox.rollout import RolloutResult, RolloutSpec, masked_groups
+from clawpipe.sandbox.runner import iter_rollouts, run_rollouts
 
 __all__ = [
     "HarnessManifest",

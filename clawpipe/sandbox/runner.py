@@ -6,7 +6,7 @@ runs it in a backend with bounded concurrency, computes the reward with the task
 the harness exits, and appends the row to the results JSONL (docs/ARCHITECTURE.md, contract D) the
 moment it is known, so nothing is lost if the batch dies. Only infra errors (a sandbox that would not
 start) are retried, up to ``max_attempts`` (the pipeline passes 1: its Prefect task retries the batch);
-:func:`masked_groups` names GRPO groups that an infra failure left incomplete.
+:func:`clawpipe.sandbox.rollout.masked_groups` names GRPO groups that an infra failure left incomplete.
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ import json
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from clawpipe.capture import append_result
 from clawpipe.errors import ConfigError, ManifestError, SandboxError
@@ -33,192 +30,29 @@ from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob
 from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
-from clawpipe.sandbox.fstree import Entry, walk
 from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
 from clawpipe.sandbox.quota import mount_quota, over_quota, release, sweep_stale_mounts
+from clawpipe.sandbox.rollout import (
+    ProgressFn,
+    RolloutResult,
+    RolloutSpec,
+    TaskSetLike,
+    classify,
+    now_iso,
+)
 from clawpipe.sandbox.verify import preflight, verify_rollout
+from clawpipe.sandbox.workdir import (
+    chown_tree,
+    ends_with_memory_error,
+    open_tree,
+    release_rollout_dir,
+    scrub_workdir,
+    tail,
+)
 from clawpipe.schemas import RolloutStatus
 
 logger = logging.getLogger(__name__)
-
-STDERR_TAIL_BYTES = 4000
-SHORT_PATH_BYTES = 3000  # below PATH_MAX (4096) with room for what a symlink's target adds
-
-
-class TaskSetLike(Protocol):
-    """What the runner needs of a task set (clawpipe.tasks.TaskSet satisfies it)."""
-
-    name: str
-
-    def prepare(self, task: dict[str, Any], workdir: Path) -> None: ...
-
-    def verify(self, task: dict[str, Any], workdir: Path) -> tuple[float, dict[str, Any]]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutSpec:
-    """One rollout to run: which harness plays which task instance, and where its calls are attributed."""
-
-    run_id: str
-    iteration: int
-    harness: str | HarnessManifest  # a name found under harnesses/, a folder path, or a loaded manifest
-    task: dict[str, Any]  # a task instance (docs/ARCHITECTURE.md, contract C)
-    model: str  # the served model name the harness is told to use
-    group_id: str | None = None  # GRPO group; default: the task id
-    sample_idx: int = 0
-    rollout_id: str | None = None  # default: <group_id>.<sample_idx>, deterministic so a rerun overwrites
-    policy_version: int | None = None
-    eval: bool = False
-
-    @property
-    def group(self) -> str:
-        return self.group_id or str(self.task.get("task_id", ""))
-
-    @property
-    def id(self) -> str:
-        return self.rollout_id or f"{self.group}.{self.sample_idx}"
-
-
-@dataclass(slots=True)
-class RolloutResult:
-    """A rollout's result row: the `rollouts` table's columns (schemas.ROLLOUTS), timestamps as ISO strings."""
-
-    rollout_id: str
-    run_id: str
-    iteration: int
-    group_id: str
-    harness: str
-    task_set: str
-    task_id: str
-    sample_idx: int
-    backend: str
-    status: str
-    exit_code: int | None = None
-    reward: float | None = None
-    reward_info: str | None = None  # JSON
-    n_calls: int = 0
-    started_at: str | None = None
-    ended_at: str | None = None
-    duration_s: float = 0.0
-    stderr_tail: str = ""
-    error: str | None = None
-    attempt: int = 1
-    policy_version: int | None = None
-    eval: bool = False
-    workdir: str | None = field(default=None, metadata={"row": False})  # kept work dir, if any
-
-    def to_row(self) -> dict[str, Any]:
-        row = asdict(self)
-        row.pop("workdir")
-        return row
-
-    @property
-    def infra_failed(self) -> bool:
-        return self.status == RolloutStatus.infra_error
-
-
-ProgressFn = Callable[[RolloutResult, int, int], None]
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
-def classify(outcome: Outcome) -> RolloutStatus:
-    """Turn how the process tree ended into a rollout status."""
-    if outcome.timed_out:
-        return RolloutStatus.timeout
-    if outcome.oom and outcome.exit_code != 0:
-        return RolloutStatus.oom
-    if outcome.signal is not None:
-        return RolloutStatus.crashed
-    if outcome.exit_code == 0:
-        return RolloutStatus.succeeded
-    return RolloutStatus.failed
-
-
-def masked_groups(results: Iterable[RolloutResult | Mapping[str, Any]]) -> set[tuple[str, int, str]]:
-    """(run_id, iteration, group_id) of GRPO groups with a member that failed for infra reasons.
-
-    Such a group is incomplete for reasons unrelated to the policy; its advantages would be biased, so
-    training should skip it. Works on RolloutResult objects or result rows.
-    """
-    out: set[tuple[str, int, str]] = set()
-    for r in results:
-        row = r.to_row() if isinstance(r, RolloutResult) else r
-        if row["status"] == RolloutStatus.infra_error:
-            out.add((row["run_id"], int(row["iteration"]), row["group_id"]))
-    return out
-
-
-def scrub_workdir(workdir: Path) -> list[str]:
-    """Remove what a harness may have planted for the host-side verifier: symlinks leaving the work dir,
-    FIFOs, sockets and device nodes, at any depth. Returns the removed paths (relative)."""
-    removed: list[str] = []
-    root = workdir.resolve()
-    for entry in walk(workdir):
-        mode = entry.st.st_mode
-        special = not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
-        if special or (stat.S_ISLNK(mode) and _link_leaves(entry, root)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.name, dir_fd=entry.dir_fd)
-            removed.append(entry.relpath)
-    return removed
-
-
-def _link_leaves(entry: Entry, root: Path) -> bool:
-    """Whether a symlink in the work dir resolves outside it.
-
-    Where the link's path is too long for the kernel to resolve (a very deep tree), any absolute target or
-    ".." component counts as leaving: a link made only of downward steps cannot climb above its folder.
-    """
-    path = root / entry.relpath
-    if len(os.fsencode(path)) < SHORT_PATH_BYTES:
-        target = Path(os.path.realpath(path))
-        return target != root and root not in target.parents
-    text = os.readlink(entry.name, dir_fd=entry.dir_fd)
-    return text.startswith("/") or ".." in Path(text).parts
-
-
-def _chown_tree(path: Path, uid: int, gid: int) -> None:
-    os.chown(path, uid, gid)
-    for entry in walk(path):
-        os.chown(entry.name, uid, gid, dir_fd=entry.dir_fd, follow_symlinks=False)
-
-
-def _ends_with_memory_error(stderr_tail: str) -> bool:
-    lines = [line for line in stderr_tail.strip().splitlines() if line.strip()]
-    return bool(lines) and lines[-1].startswith("MemoryError")
-
-
-def _open_tree(path: Path) -> None:
-    path.chmod(0o777)
-    for entry in walk(path):
-        if stat.S_ISDIR(entry.st.st_mode):
-            os.chmod(entry.name, 0o777, dir_fd=entry.dir_fd)
-        elif stat.S_ISREG(entry.st.st_mode):
-            os.chmod(entry.name, 0o666, dir_fd=entry.dir_fd)
-
-
-def _release_rollout_dir(rdir: Path, keep: bool) -> None:
-    """Unmount and remove a rollout's folder (any depth), or with ``keep`` leave its contents on disk there; a
-    failure is logged, never raised: the row is already written."""
-    try:
-        release(rdir, keep=keep)
-    except OSError as exc:
-        logger.warning("could not release rollout folder %s: %s", rdir, exc)
-
-
-def _tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - n))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 class _Batch:
@@ -269,9 +103,9 @@ class _Batch:
         self.task_set(spec.task["task_set"]).prepare(spec.task, work)
         if self.backend.name != "process":
             if os.geteuid() == 0:
-                _chown_tree(work, SANDBOX_UID, SANDBOX_GID)
+                chown_tree(work, SANDBOX_UID, SANDBOX_GID)
             else:  # e.g. docker as a member of the docker group: let uid 65534 write anyway
-                _open_tree(work)
+                open_tree(work)
         return rdir
 
     def run_one(self, spec: RolloutSpec, manifest: HarnessManifest) -> RolloutResult:
@@ -289,7 +123,7 @@ class _Batch:
             status=RolloutStatus.infra_error,
             policy_version=spec.policy_version,
             eval=spec.eval,
-            started_at=_now(),
+            started_at=now_iso(),
         )
         t0 = time.monotonic()
         key = mint_key(self.secret, run_id=spec.run_id, iteration=spec.iteration, rollout_id=spec.id)
@@ -309,7 +143,7 @@ class _Batch:
             except SandboxError as exc:
                 result.error = str(exc)
                 if rdir is not None:
-                    result.stderr_tail = _tail(rdir / "stderr.log")
+                    result.stderr_tail = tail(rdir / "stderr.log")
                 logger.warning(
                     "rollout=%s attempt=%d infra error: %s stderr=%r", spec.id, attempt, exc, result.stderr_tail[-500:]
                 )
@@ -332,22 +166,22 @@ class _Batch:
                     )
                 if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a
                     result.status = RolloutStatus.infra_error  # retry would flood again, so it is not retried
-                result.stderr_tail = _tail(rdir / "stderr.log")
-                if result.status == RolloutStatus.failed and _ends_with_memory_error(result.stderr_tail):
+                result.stderr_tail = tail(rdir / "stderr.log")
+                if result.status == RolloutStatus.failed and ends_with_memory_error(result.stderr_tail):
                     result.status = RolloutStatus.oom  # the rlimit fallback: Python raised MemoryError
                 self.score(result, spec, rdir / "work")
             except Exception as exc:  # our own failure on what the harness left: the rollout still gets its row
                 logger.exception("rollout=%s could not be concluded", spec.id)
                 result.status = RolloutStatus.infra_error
                 result.error = f"after the harness exited: {type(exc).__name__}: {exc}"
-        result.ended_at = _now()
+        result.ended_at = now_iso()
         result.duration_s = round(time.monotonic() - t0, 4)
         path = self.results_path(spec)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             append_result(path, result.to_row())
         if rdir is not None:
-            _release_rollout_dir(rdir, keep=self.keep_workdirs)
+            release_rollout_dir(rdir, keep=self.keep_workdirs)
             if self.keep_workdirs and rdir.is_dir():
                 result.workdir = str(rdir / "work")
         return result

@@ -26,7 +26,8 @@ from clawpipe import capture
 from clawpipe.lake.parse import parse_response
 from clawpipe.proxy import ProxyServer
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness
-from clawpipe.sandbox.runner import RolloutResult, RolloutSpec, run_rollouts
+from clawpipe.sandbox.rollout import RolloutResult, RolloutSpec
+from clawpipe.sandbox.runner import run_rollouts
 from tests.cli_harnesses.support import REPO, VARIANTS, Blackhole, conversation
 from tests.support.upstream import ScriptedUpstream, say, shell_then_reply
 

@@ -13,7 +13,7 @@ import pytest
 from clawpipe.capture import read_results
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.fstree import KEEP_FDS, copy_tree, remove_tree, walk
-from clawpipe.sandbox.runner import scrub_workdir
+from clawpipe.sandbox.workdir import scrub_workdir
 from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
 
 

@@ -17,7 +17,7 @@ from clawpipe.sandbox.backends.base import Outcome, SandboxJob
 from clawpipe.sandbox.backends.process import ProcessBackend
 from clawpipe.sandbox.bridge import _RequestCounter, listen_on_host
 from clawpipe.sandbox.limits import CgroupLayout
-from clawpipe.sandbox.runner import classify
+from clawpipe.sandbox.rollout import classify
 from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness
 from tests.support.net import accepted_nodelay
 

@@ -1,0 +1,87 @@
+"""A rollout's folder on the host: scrubbing what a harness planted for the verifier, ownership and modes
+for the sandbox user, the stderr tail, and the folder's release after its row is written."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from pathlib import Path
+
+from clawpipe.sandbox.fstree import Entry, walk
+from clawpipe.sandbox.quota import release
+
+logger = logging.getLogger(__name__)
+
+STDERR_TAIL_BYTES = 4000
+SHORT_PATH_BYTES = 3000  # below PATH_MAX (4096) with room for what a symlink's target adds
+
+
+def scrub_workdir(workdir: Path) -> list[str]:
+    """Remove what a harness may have planted for the host-side verifier: symlinks leaving the work dir,
+    FIFOs, sockets and device nodes, at any depth. Returns the removed paths (relative)."""
+    removed: list[str] = []
+    root = workdir.resolve()
+    for entry in walk(workdir):
+        mode = entry.st.st_mode
+        special = not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+        if special or (stat.S_ISLNK(mode) and link_leaves(entry, root)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=entry.dir_fd)
+            removed.append(entry.relpath)
+    return removed
+
+
+def link_leaves(entry: Entry, root: Path) -> bool:
+    """Whether a symlink in the work dir resolves outside it.
+
+    Where the link's path is too long for the kernel to resolve (a very deep tree), any absolute target or
+    ".." component counts as leaving: a link made only of downward steps cannot climb above its folder.
+    """
+    path = root / entry.relpath
+    if len(os.fsencode(path)) < SHORT_PATH_BYTES:
+        target = Path(os.path.realpath(path))
+        return target != root and root not in target.parents
+    text = os.readlink(entry.name, dir_fd=entry.dir_fd)
+    return text.startswith("/") or ".." in Path(text).parts
+
+
+def chown_tree(path: Path, uid: int, gid: int) -> None:
+    os.chown(path, uid, gid)
+    for entry in walk(path):
+        os.chown(entry.name, uid, gid, dir_fd=entry.dir_fd, follow_symlinks=False)
+
+
+def ends_with_memory_error(stderr_tail: str) -> bool:
+    lines = [line for line in stderr_tail.strip().splitlines() if line.strip()]
+    return bool(lines) and lines[-1].startswith("MemoryError")
+
+
+def open_tree(path: Path) -> None:
+    path.chmod(0o777)
+    for entry in walk(path):
+        if stat.S_ISDIR(entry.st.st_mode):
+            os.chmod(entry.name, 0o777, dir_fd=entry.dir_fd)
+        elif stat.S_ISREG(entry.st.st_mode):
+            os.chmod(entry.name, 0o666, dir_fd=entry.dir_fd)
+
+
+def release_rollout_dir(rdir: Path, keep: bool) -> None:
+    """Unmount and remove a rollout's folder (any depth), or with ``keep`` leave its contents on disk there; a
+    failure is logged, never raised: the row is already written."""
+    try:
+        release(rdir, keep=keep)
+    except OSError as exc:
+        logger.warning("could not release rollout folder %s: %s", rdir, exc)
+
+
+def tail(path: Path, n: int = STDERR_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
