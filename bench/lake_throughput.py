@@ -11,10 +11,11 @@ reported (flat when no run pays for what is already landed). Saved queries run o
 ``--query-calls`` small calls (landed in rounds of ``--round``, to bound disk use). Prints human lines
 and the machine load, then one JSON line with the figures and their ratios to the targets.
 
-``--baseline DIR`` (a tree holding another version's ``clawpipe/``, e.g. ``git archive <rev> clawpipe | tar
--x -C DIR``) lands the same captures with that version too, alternating with this one ``--rounds`` times
-(medians taken), and reports its figures beside these with the ratio: old and new in one run, on one
-set of data and one machine load.
+``--baseline DIR`` (a tree holding another version's ``clawpipe/`` and ``sql/``, e.g. ``git archive <rev>
+clawpipe sql | tar -x -C DIR``) lands the same captures with that version too, alternating with this one
+``--rounds`` times (medians taken), and reports its figures beside these with the ratio: old and new in
+one run, on one set of data and one machine load. ``CLAWPIPE_BENCH_CODE=DIR`` runs the whole bench,
+saved queries included, with that tree's code.
 """
 
 from __future__ import annotations
