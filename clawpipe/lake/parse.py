@@ -9,21 +9,23 @@ Values are normalised so that the same completion gives the same columns whateve
 ``tool_calls`` is a JSON list in the OpenAI chat shape ``[{"id", "type": "function", "function":
 {"name", "arguments": str}}]``.
 
-A response that cannot be understood raises :class:`ParseError`; the lander turns it into a reject row.
+Plain chat and completions bodies take a typed fast path first (:mod:`clawpipe.lake.openai_fast`); what
+parsing gives is :class:`ParsedCall` (:mod:`clawpipe.lake.parsed`). A response that cannot be understood
+raises :class:`ParseError`; the lander turns it into a reject row.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-import numpy as np
 import orjson
 
 from clawpipe.apis.sse import read_events
 from clawpipe.apis.streams import reassemble
+from clawpipe.lake.openai_fast import CUT_MIN_BYTES, cut_prompt_ids, parse_openai_fast
+from clawpipe.lake.parsed import Choice, ParsedCall, ParseError, chat_tool_calls
+
+__all__ = ["Choice", "ParseError", "ParsedCall", "parse_messages", "parse_openai", "parse_response", "parse_responses"]
 
 _MESSAGES_STOP = {
     "end_turn": "stop",
@@ -33,39 +35,6 @@ _MESSAGES_STOP = {
     "refusal": "content_filter",
 }
 _RESPONSES_INCOMPLETE = {"max_output_tokens": "length", "content_filter": "content_filter"}
-
-
-class ParseError(ValueError):
-    """The response does not have the shape its API promises."""
-
-
-@dataclass(slots=True)
-class Choice:
-    index: int
-    token_ids: list[int] | None = None
-    # vLLM's /v1/completions puts each prompt's ids in its choices (and stream chunks' choices), not at the
-    # top level; a choice's own prompt ids win over the response's
-    prompt_token_ids: Any = None
-    logprobs: list[float] | None = None
-    finish_reason: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-@dataclass(slots=True)
-class ParsedCall:
-    response: bytes | None = None  # JSON as UTF-8 bytes (raw body, or the reassembled stream)
-    prompt_token_ids: list[int] | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None  # call total from usage
-    spliced_tokens: int | None = None  # prompt ids the engine carried over from the rollout's earlier completions
-    policy_version: int | None = None
-    model: str | None = None
-    error: str | None = None
-    choices: list[Choice] = field(default_factory=list)
-    # id and logprob lists came from the typed decoder: their element types are checked already
-    typed: bool = field(default=False, compare=False)
-    # the stream ended in an error (its last event is the API's error event, or a failed response)
-    stream_error: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,23 +79,6 @@ def _error_text(err: Any) -> str:
         msg = err.get("message") or err.get("type") or err.get("code")
         return str(msg) if msg is not None else orjson.dumps(err).decode()
     return str(err)
-
-
-def _chat_tool_calls(msg: dict[str, Any]) -> list[dict[str, Any]] | None:
-    tcs = msg.get("tool_calls")
-    if not tcs:
-        return None
-    return [
-        {
-            "id": tc.get("id"),
-            "type": tc.get("type") or "function",
-            "function": {
-                "name": (tc.get("function") or {}).get("name"),
-                "arguments": (tc.get("function") or {}).get("arguments") or "",
-            },
-        }
-        for tc in tcs
-    ]
 
 
 def _usage_openai(parsed: ParsedCall, usage: Any) -> None:
@@ -180,7 +132,7 @@ def _openai_choice(c: dict[str, Any], api: str) -> Choice:
         prompt_token_ids=c.get("prompt_token_ids"),
         logprobs=_logprob_values(c.get("logprobs")),
         finish_reason=c.get("finish_reason"),
-        tool_calls=_chat_tool_calls(msg) if api == "chat" else None,
+        tool_calls=chat_tool_calls(msg) if api == "chat" else None,
     )
 
 
@@ -191,105 +143,6 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
     _read_top_fields(obj, parsed)
     _usage_openai(parsed, obj.get("usage"))
     parsed.choices = [_openai_choice(c, api) for c in obj.get("choices") or ()]
-
-
-# Typed fast path for plain chat/completions bodies (the bulk of every lake): msgspec decodes only the
-# fields below and skips the rest (logprob entries' token strings, bytes, top_logprobs) without building
-# Python objects for them: ~40% less time than a generic parse. Anything unexpected falls back.
-
-
-class _LogprobEntry(msgspec.Struct, gc=False):
-    logprob: float
-
-
-class _Logprobs(msgspec.Struct, gc=False):
-    content: list[_LogprobEntry] | None = None
-    token_logprobs: list[float] | None = None
-
-
-class _Message(msgspec.Struct, gc=False):
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class _OpenAIChoice(msgspec.Struct, gc=False):
-    index: int = 0
-    finish_reason: str | None = None
-    message: _Message | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | msgspec.UnsetType | None = msgspec.UNSET
-    logprobs: _Logprobs | None = None
-
-
-class _Usage(msgspec.Struct, gc=False):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-class _OpenAIBody(msgspec.Struct, gc=False):
-    choices: list[_OpenAIChoice] | msgspec.UnsetType = msgspec.UNSET
-    prompt_token_ids: list[int] | msgspec.UnsetType | None = msgspec.UNSET
-    policy_version: int | None = None
-    spliced_tokens: int | None = None
-    model: str | None = None
-    usage: _Usage | None = None
-    error: Any = None
-    object: str | None = None
-
-
-_OPENAI_DECODER = msgspec.json.Decoder(_OpenAIBody)
-
-
-def _parse_openai_fast(body: bytes, api: str) -> ParsedCall | None:
-    """Columns of a plain chat/completions body, or None where the generic parser must decide."""
-    cut = _cut_prompt_ids(body) if len(body) > _CUT_MIN_BYTES else None
-    try:
-        r = _OPENAI_DECODER.decode(cut[0] if cut is not None else body)
-    except msgspec.DecodeError:  # includes ValidationError: a shape outside the fast path
-        return None
-    if r.error is not None or r.object == "error" or r.choices is msgspec.UNSET:
-        return None
-    prompt: Any = r.prompt_token_ids
-    cut_choice = None
-    if cut is not None:
-        if prompt is None:
-            prompt = cut[1]
-        else:  # the cut key was in a choice (vLLM completions, one prompt): the one choice left with null ids
-            nulled = [c for c in r.choices if c.prompt_token_ids is None]
-            if prompt is not msgspec.UNSET or len(nulled) != 1:
-                return None
-            cut_choice, prompt = nulled[0], None
-    elif prompt is msgspec.UNSET:
-        prompt = None
-    parsed = ParsedCall(
-        response=body, prompt_token_ids=prompt, policy_version=r.policy_version, model=r.model, typed=True
-    )
-    parsed.spliced_tokens = r.spliced_tokens
-    if r.usage is not None:
-        parsed.prompt_tokens, parsed.completion_tokens = r.usage.prompt_tokens, r.usage.completion_tokens
-    choices = []
-    for c in r.choices:
-        lp = c.logprobs
-        values = None
-        if lp is not None:
-            values = [e.logprob for e in lp.content] if lp.content is not None else lp.token_logprobs
-        tools = c.message.tool_calls if api == "chat" and c.message is not None else None
-        own_prompt: Any = c.prompt_token_ids
-        if c is cut_choice and cut is not None:
-            own_prompt = cut[1]
-        elif own_prompt is msgspec.UNSET:
-            own_prompt = None
-        choices.append(
-            Choice(
-                index=c.index,
-                token_ids=c.token_ids,
-                prompt_token_ids=own_prompt,
-                logprobs=values,
-                finish_reason=c.finish_reason,
-                tool_calls=_chat_tool_calls({"tool_calls": tools}) if tools else None,
-            )
-        )
-    parsed.choices = choices
-    return parsed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -379,50 +232,6 @@ def _stream_error_text(last: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------------
 # entry point
 
-_CUT_MIN_BYTES = 32 << 10
-_PROMPT_KEY = b'"prompt_token_ids"'
-_DIGITS = b"0123456789,-"
-_JSON_SPACE = b" \n\r\t"
-
-
-def _cut_prompt_ids(body: bytes) -> tuple[bytes, np.ndarray] | None:
-    """Large bodies: parse the prompt id array with NumPy and hand orjson the rest (``null`` in its place).
-
-    Parsing 16k ids into Python ints and back is most of a large call's landing cost. Used only when the
-    key occurs once and the array is plain integers; the caller checks the key was the top-level one.
-    """
-    i = body.find(_PROMPT_KEY)
-    if i < 0 or body.find(_PROMPT_KEY, i + 1) >= 0:
-        return None
-    j = i + len(_PROMPT_KEY)
-    while j < len(body) and body[j] in b" :\t\r\n":
-        j += 1
-    if j >= len(body) or body[j] != ord("["):
-        return None
-    k = body.find(b"]", j)
-    if k < 0:
-        return None
-    inner = body[j + 1 : k]
-    compact = inner
-    spaces = inner.translate(None, _DIGITS)  # one pass; empty for compact JSON (what servers write)
-    if spaces:
-        if spaces.translate(None, _JSON_SPACE):
-            return None  # not plain integers
-        compact = inner.translate(None, _JSON_SPACE)
-        if b",," in compact:
-            return None  # an empty place ("1, ,2"): NumPy would read a 0
-    if not compact or compact[:1] == b"," or compact[-1:] == b",":
-        return None  # an empty place at either end: NumPy would pass over it
-    with warnings.catch_warnings():
-        # a malformed list (a number cut short, two in a row) warns where it stops reading: an error here,
-        # which spares counting the commas of every list to find out
-        warnings.simplefilter("error")
-        try:
-            ids = np.fromstring(inner, dtype=np.int64, sep=",")  # "1 2" stops it: spaces only around commas
-        except (ValueError, DeprecationWarning):
-            return None
-    return body[:j] + b"null" + body[k + 1 :], ids
-
 
 def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | None = None) -> ParsedCall:
     """Columns of one call from its API, stream flag and raw response body."""
@@ -445,11 +254,11 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
         parsed.stream_error = _ends_in_error(api, events[-1])
     else:
         if api in ("chat", "completions") and not failed_http:
-            fast = _parse_openai_fast(body, api)
+            fast = parse_openai_fast(body, api)
             if fast is not None:
                 return fast
         try:
-            cut = _cut_prompt_ids(body) if len(body) > _CUT_MIN_BYTES else None
+            cut = cut_prompt_ids(body) if len(body) > CUT_MIN_BYTES else None
             if cut is not None:
                 obj = orjson.loads(cut[0])
                 if not isinstance(obj, dict) or "prompt_token_ids" not in obj or obj["prompt_token_ids"] is not None:

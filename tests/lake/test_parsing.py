@@ -292,7 +292,8 @@ def test_large_prompt_fast_path_takes_json_lists_only(ids: str, lands: list[int]
 def test_typed_fast_path_agrees_with_the_generic_parser() -> None:
     import orjson
 
-    from clawpipe.lake.parse import ParsedCall, _parse_openai_fast, parse_openai
+    from clawpipe.lake.openai_fast import parse_openai_fast
+    from clawpipe.lake.parse import ParsedCall, parse_openai
 
     completions_legacy = {
         "object": "text_completion",
@@ -315,12 +316,12 @@ def test_typed_fast_path_agrees_with_the_generic_parser() -> None:
         ("chat", json.dumps({"object": "chat.completion", "choices": []}).encode()),
     ]
     for api, body in bodies:
-        fast = _parse_openai_fast(body, api)
+        fast = parse_openai_fast(body, api)
         assert fast is not None, body
         slow = ParsedCall(response=body)
         parse_openai(orjson.loads(body), api, slow)
         assert fast == slow, api
     # shapes outside the fast path are left to the generic parser
-    assert _parse_openai_fast(b'{"object": "error", "message": "x"}', "chat") is None
-    assert _parse_openai_fast(b'{"choices": [{"message": {"tool_calls": "oops"}}]}', "chat") is None
-    assert _parse_openai_fast(b'{"error": {"message": "x"}}', "chat") is None
+    assert parse_openai_fast(b'{"object": "error", "message": "x"}', "chat") is None
+    assert parse_openai_fast(b'{"choices": [{"message": {"tool_calls": "oops"}}]}', "chat") is None
+    assert parse_openai_fast(b'{"error": {"message": "x"}}', "chat") is None
