@@ -67,3 +67,24 @@ def test_chunked_requests_are_answered_on_the_same_connection(upstream_port: int
         assert r.status in (200, 500)
         if r.status == 200:  # a body over 4 KB without max_tokens is a large call
             assert len(json.loads(payload)["prompt_token_ids"]) > 1000
+
+
+def test_request_body_rows_take_the_upstreams_drawn_errors() -> None:
+    """The proxy bench's request-body rows send filler bodies (large calls); the drawn pool answers some
+    with 500 (indices 186 and 230 of the large pool at --pool 1024), and the rows read those like any answer."""
+    import socket
+
+    import proxy_overhead
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(BENCH / "upstream.py"), str(port), "--pool", "1024"])
+    try:
+        proxy_overhead.wait_port(port)
+        body = proxy_overhead._body_of(64 << 10)
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            for i in range(240):
+                proxy_overhead._send_body(sock, "/v1/chat/completions", body, chunked=i % 2 == 1)
+                proxy_overhead._read_response(sock)
+    finally:
+        proc.terminate()
+        proc.wait(10)
