@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -29,7 +28,6 @@ from clawpipe.lake.columns import CallColumns
 from clawpipe.lake.rollouts import merge_rollouts
 from clawpipe.tables import TMP_SUFFIX, LakeFS
 
-_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
 RECORD_PREVIEW = 2000
 # Fault injection for the kill tests: SIGKILL this process right after publishing the parts of the
 # N-th batch (1-based), before its commit: the worst moment to die.
@@ -51,15 +49,6 @@ CALLS_WRITER_OPTIONS: dict[str, Any] = {
     "use_dictionary": _DICTIONARY,
     "write_statistics": _STATISTICS,
 }
-
-
-def check_part(value: Any, what: str) -> str:
-    """A header value used as a partition path component (run_id) or id: a non-empty, safe string."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"header {what} missing or not a string")
-    if what == "run_id" and not _SAFE_PART.match(value):
-        raise ValueError(f"run_id {value!r} is not usable as a partition name (letters, digits, ._:@+-)")
-    return value
 
 
 class Partition:
@@ -135,7 +124,7 @@ class Batch:
         if p is None:
             if run_id.__class__ is not str:
                 raise rows.BadValue(f"header run_id is a {type(run_id).__name__}, not a string")
-            run_id = check_part(run_id, "run_id")
+            run_id = rows.partition_name(run_id, "header run_id")
             p = self.partitions[(run_id, iteration)] = Partition(self.lake, run_id, iteration)
         return p
 

@@ -3,7 +3,6 @@ its partition so that per rollout_id the latest attempt wins."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pyarrow as pa
@@ -12,18 +11,13 @@ from clawpipe import schemas, tables
 from clawpipe.lake import rows
 from clawpipe.tables import LakeFS
 
-_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
-
 
 def coerce_rollout(row: dict[str, Any]) -> dict[str, Any]:
     """A result line as a ``rollouts`` row; raises ValueError (:class:`rows.BadValue`) naming what is wrong."""
     out = rows.rollout_row(row)
-    for what in ("rollout_id", "run_id"):
-        value = out[what]
-        if not isinstance(value, str) or not value:
-            raise rows.BadValue(f"rollout {what} missing or not a string")
-    if not _SAFE_PART.match(out["run_id"]):
-        raise rows.BadValue(f"run_id {out['run_id']!r} is not usable as a partition name (letters, digits, ._:@+-)")
+    if not isinstance(out["rollout_id"], str) or not out["rollout_id"]:
+        raise rows.BadValue("rollout rollout_id missing or not a string")
+    rows.partition_name(out["run_id"], "rollout run_id")
     return out
 
 

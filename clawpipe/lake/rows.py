@@ -11,6 +11,7 @@ group with a bad list falls back to finding its rows, which become rejects, and 
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,14 +20,27 @@ import numpy as np
 import orjson
 
 from clawpipe import schemas
+from clawpipe.capture import EPOCH_MAX_S, INT32_MAX, INT64_MAX, RUN_ID_MAX
 
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
-EPOCH_MAX_S = 253_402_300_800.0  # 10000-01-01: the last second a timestamp column holds
+__all__ = ["EPOCH_MAX_S", "INT32_MAX", "INT64_MAX"]  # the column ranges, shared with the capture header
+
+_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
 
 
 class BadValue(ValueError):
     """A value that does not fit its column: the record becomes a reject with this message."""
+
+
+def partition_name(value: Any, what: str) -> str:
+    """A run id that names a partition directory (``run_id=<value>``): a non-empty string of letters, digits
+    and ``._:@+-`` (no path separator, no leading dot), at most RUN_ID_MAX characters."""
+    if not isinstance(value, str) or not value:
+        raise BadValue(f"{what} missing or not a string")
+    if len(value) > RUN_ID_MAX:
+        raise BadValue(f"{what} is {len(value)} characters long, longer than {RUN_ID_MAX}")
+    if not _SAFE_PART.match(value):
+        raise BadValue(f"{what} {value!r} is not usable as a partition name (letters, digits, ._:@+-)")
+    return value
 
 
 def int_value(v: Any, what: str, lo: int = 0, hi: int = INT32_MAX) -> int | None:

@@ -141,7 +141,7 @@ def _response(where: str, value: Any) -> bytes:
 
 ROLLOUT_CASES: dict[str, dict[str, list[Any]]] = {
     "rollout_id": _PART,
-    "run_id": {**_PART, "reject": [*_PART["reject"], "a/b"]},
+    "run_id": {**_PART, "reject": [*_PART["reject"], "a/b", "../x", "r" * 201], "lands": ["r" * 200]},
     "iteration": _int_field(optional=False),
     "group_id": {"reject": [5, [1]], "lands": [None, "g"]},
     "harness": {"reject": [5, {"a": 1}], "lands": [None]},
