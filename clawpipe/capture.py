@@ -61,6 +61,7 @@ INT64_MAX = 2**63 - 1
 EPOCH_MAX_S = 253_402_300_800.0  # 10000-01-01: the last second a timestamp column holds
 
 RUN_ID_MAX = 200  # a run id names a lake partition directory (run_id=<id>): file names stop at 255 bytes
+SAFE_RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"  # no path separator, no leading dot: a partition name
 Id = Annotated[str, msgspec.Meta(min_length=1)]
 RunId = Annotated[str, msgspec.Meta(min_length=1, max_length=RUN_ID_MAX)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 from dataclasses import dataclass
 
-from clawpipe.capture import INT32_MAX, RUN_ID_MAX
+from clawpipe.capture import INT32_MAX, RUN_ID_MAX, SAFE_RUN_ID
 from clawpipe.errors import KeyVerificationError
 
 PREFIX = "cp1"
@@ -46,6 +47,8 @@ def mint_key(secret: bytes, *, run_id: str, iteration: int, rollout_id: str) -> 
     for name, value in (("run_id", run_id), ("rollout_id", rollout_id)):
         if not value or _SEP in value or "/" in value:
             raise KeyVerificationError(f"{name}={value!r} must be non-empty without '/' or \\x1f")
+    if not re.match(SAFE_RUN_ID, run_id):
+        raise KeyVerificationError(f"run_id={run_id!r} must be letters, digits and ._:@+- (it names a lake partition)")
     if len(run_id) > RUN_ID_MAX:
         raise KeyVerificationError(f"run_id is {len(run_id)} characters long; at most {RUN_ID_MAX} name a partition")
     if isinstance(iteration, bool) or not 0 <= int(iteration) <= INT32_MAX:

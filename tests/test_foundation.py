@@ -168,6 +168,9 @@ def test_keys_are_refused_for_ids_landing_would_reject() -> None:
     secret = b"k" * 32
     with pytest.raises(KeyVerificationError, match="201 characters long; at most 200"):
         keys.mint_key(secret, run_id="r" * 201, iteration=0, rollout_id="x")
+    for bad_id in ("my run", ".hidden", "a\\b"):
+        with pytest.raises(KeyVerificationError, match="letters, digits"):
+            keys.mint_key(secret, run_id=bad_id, iteration=0, rollout_id="x")
     for bad in (-1, 2**31, True):
         with pytest.raises(KeyVerificationError, match="iteration="):
             keys.mint_key(secret, run_id="run1", iteration=bad, rollout_id="x")

@@ -20,11 +20,11 @@ import numpy as np
 import orjson
 
 from clawpipe import schemas
-from clawpipe.capture import EPOCH_MAX_S, INT32_MAX, INT64_MAX, RUN_ID_MAX
+from clawpipe.capture import EPOCH_MAX_S, INT32_MAX, INT64_MAX, RUN_ID_MAX, SAFE_RUN_ID
 
 __all__ = ["EPOCH_MAX_S", "INT32_MAX", "INT64_MAX"]  # the column ranges, shared with the capture header
 
-_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
+_SAFE_PART = re.compile(SAFE_RUN_ID)
 
 
 class BadValue(ValueError):
