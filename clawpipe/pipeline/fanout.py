@@ -28,16 +28,13 @@ from typing import Any, Protocol
 from clawpipe import objstore
 from clawpipe.config import Settings
 from clawpipe.errors import SandboxError
+from clawpipe.pipeline.attempts import AttemptCounter, attempt_id, attempt_ids, plan
 from clawpipe.pipeline.shards import (
     GIVEN_UP,
     PUBLISHED,
-    AttemptCounter,
     ShardRequest,
-    attempt_id,
-    attempt_ids,
     decide,
     lake_uri_of,
-    plan,
     shard_state_path,
     split,
 )

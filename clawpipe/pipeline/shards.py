@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ PUBLISHED = "published"  # a shard's decision: its rows go to the store
 GIVEN_UP = "given up"  # the pipeline's: its rollouts run again elsewhere
 
 
-# --- splitting and attempt ids ------------------------------------------------------------------------
+# --- splitting ------------------------------------------------------------------------
 
 
 def split(items: Sequence[Any], size: int) -> list[list[Any]]:
@@ -66,55 +66,6 @@ def split(items: Sequence[Any], size: int) -> list[list[Any]]:
         out.append(list(items[start:end]))
         start = end
     return out
-
-
-def attempt_id(spec_id: str, attempt: int) -> str:
-    """The rollout id of ``spec_id`` on attempt N of its batch: itself on the first, ``<id>.a<N>`` after."""
-    return spec_id if attempt <= 1 else f"{spec_id}.a{attempt}"
-
-
-def attempt_ids(spec_id: str, attempts: int) -> list[str]:
-    """Every id ``spec_id`` may have run under in attempts 1..N, oldest first."""
-    return [attempt_id(spec_id, a) for a in range(1, attempts + 1)]
-
-
-def plan(
-    spec_ids: Iterable[str], done: dict[str, dict[str, Any]], attempt: int
-) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
-    """What attempt ``attempt`` of a batch keeps and runs.
-
-    ``done`` maps rollout ids to their final (non infra-error) result rows. A spec with a row under any of
-    its earlier ids is kept (the latest such row); every other spec runs as ``attempt_id(id, attempt)``.
-    Returns ({spec id: kept row}, [(spec id, id to run under)]).
-    """
-    kept: dict[str, dict[str, Any]] = {}
-    todo: list[tuple[str, str]] = []
-    for sid in spec_ids:
-        finished = [done[i] for i in attempt_ids(sid, attempt) if i in done]
-        if finished:
-            kept[sid] = finished[-1]
-        else:
-            todo.append((sid, attempt_id(sid, attempt)))
-    return kept, todo
-
-
-class AttemptCounter:
-    """A batch's attempt number, kept on disk so a retried task or a resumed run never reuses an id."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    @property
-    def current(self) -> int:
-        return int(self.path.read_text()) if self.path.is_file() else 0
-
-    def next(self) -> int:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        value = self.current + 1
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(str(value))
-        os.replace(tmp, self.path)
-        return value
 
 
 # --- one shard ------------------------------------------------------------------------------------------

@@ -219,7 +219,7 @@ def run_rollouts(
     import dataclasses
 
     from clawpipe.capture import read_results
-    from clawpipe.pipeline.shards import plan
+    from clawpipe.pipeline.attempts import AttemptCounter, plan
     from clawpipe.sandbox.runner import default_results_path
     from clawpipe.sandbox.runner import run_rollouts as run
 
@@ -227,7 +227,7 @@ def run_rollouts(
         return summarize_results([])
     first = specs[0]
     results_path = default_results_path(first.run_id, first.iteration, batch_id, settings.captures_dir)
-    attempt = _next_attempt(results_path.with_suffix(".attempts"))
+    attempt = AttemptCounter(results_path.with_suffix(".attempts")).next()
     done: dict[str, dict[str, Any]] = {}
     if results_path.is_file():
         for _, row, _ in read_results(results_path):
@@ -260,15 +260,6 @@ def run_rollouts(
             "their results are written, and retrying the batch reruns only them"
         )
     return summarize_results(kept + rows)
-
-
-def _next_attempt(counter: Path) -> int:
-    counter.parent.mkdir(parents=True, exist_ok=True)
-    attempt = (int(counter.read_text()) if counter.is_file() else 0) + 1
-    tmp = counter.with_suffix(".tmp")
-    tmp.write_text(str(attempt))
-    os.replace(tmp, counter)
-    return attempt
 
 
 def summarize_results(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import pytest
 
 from clawpipe import objstore
 from clawpipe.net import free_port
-from clawpipe.pipeline import shards
+from clawpipe.pipeline import attempts, shards
 
 FANOUT_CONFIG = """
 run_name = "fanout"
@@ -188,7 +188,9 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
         .column(0)
         .to_pylist()
     )
-    assert cut and all(shards.attempt_id(r, 1) == r and ".a" not in r for r in cut)  # the killed attempt's calls landed
+    assert cut and all(
+        attempts.attempt_id(r, 1) == r and ".a" not in r for r in cut
+    )  # the killed attempt's calls landed
     trees, _infos, stats = load_trees(lake, run_id, 0, TrainConfig())
     trained = {s.rollout_id for t in trees for s in t.sequences}
     assert trained and not trained & set(cut)  # ... but none of them is in a trained sequence

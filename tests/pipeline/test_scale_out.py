@@ -15,7 +15,7 @@ import pytest
 
 from clawpipe.config import Settings
 from clawpipe.errors import ConfigError, SandboxError
-from clawpipe.pipeline import fanout, shards
+from clawpipe.pipeline import attempts, fanout, shards
 from clawpipe.pipeline.config import HarnessEntry, PipelineConfig
 from clawpipe.pipeline.stages import sample_specs
 
@@ -37,21 +37,21 @@ def test_split_makes_even_consecutive_shards() -> None:
 
 
 def test_rerun_ids_follow_the_attempt_rule() -> None:
-    assert shards.attempt_id("g.0", 1) == "g.0"
-    assert shards.attempt_id("g.0", 3) == "g.0.a3"
-    assert shards.attempt_ids("g.0", 3) == ["g.0", "g.0.a2", "g.0.a3"]
+    assert attempts.attempt_id("g.0", 1) == "g.0"
+    assert attempts.attempt_id("g.0", 3) == "g.0.a3"
+    assert attempts.attempt_ids("g.0", 3) == ["g.0", "g.0.a2", "g.0.a3"]
     done = {"g.0": {"rollout_id": "g.0"}, "g.1.a2": {"rollout_id": "g.1.a2"}}
-    kept, todo = shards.plan(["g.0", "g.1", "g.2"], done, 3)
+    kept, todo = attempts.plan(["g.0", "g.1", "g.2"], done, 3)
     assert kept == {"g.0": done["g.0"], "g.1": done["g.1.a2"]}  # a row under any earlier id is kept
     assert todo == [("g.2", "g.2.a3")]  # the rest runs under an id never used before
-    kept, todo = shards.plan(["g.0", "g.1"], {}, 1)
+    kept, todo = attempts.plan(["g.0", "g.1"], {}, 1)
     assert kept == {} and todo == [("g.0", "g.0"), ("g.1", "g.1")]
 
 
 def test_attempt_counter_survives_a_new_process(tmp_path: Path) -> None:
     path = tmp_path / "runs" / "r" / "shards" / "rollout-0.attempt"
-    assert [shards.AttemptCounter(path).next() for _ in range(3)] == [1, 2, 3]
-    assert shards.AttemptCounter(path).current == 3
+    assert [attempts.AttemptCounter(path).next() for _ in range(3)] == [1, 2, 3]
+    assert attempts.AttemptCounter(path).current == 3
 
 
 def test_shard_request_travels_as_plain_json() -> None:
@@ -133,7 +133,7 @@ def test_a_stalled_shard_is_fenced_and_rerun_under_new_ids(tmp_path: Path) -> No
         now[0] += s
 
     fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", ["http://u/v1"], shards.AttemptCounter(tmp_path / "attempt"),
+        cfg, specs, runner, lake, "rollout-0", ["http://u/v1"], attempts.AttemptCounter(tmp_path / "attempt"),
         clock=lambda: now[0], sleep=sleep,
     )  # fmt: skip
     out = fan.run()
@@ -171,7 +171,7 @@ def test_a_shard_that_claimed_its_rows_first_is_awaited_not_rerun(tmp_path: Path
             runner.stall.discard(1)  # its one upload lands a few seconds after its claim
 
     fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", [], shards.AttemptCounter(tmp_path / "attempt"),
+        cfg, specs, runner, lake, "rollout-0", [], attempts.AttemptCounter(tmp_path / "attempt"),
         clock=lambda: now[0], sleep=sleep,
     )  # fmt: skip
     out = fan.run()
@@ -196,7 +196,7 @@ def test_a_shard_taken_by_a_worker_that_died_starting_it_is_rerun(tmp_path: Path
     runner = ScriptedRunner(lake, stall=set(), starting=frozenset({0}))
     now = [0.0]
     fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", [], shards.AttemptCounter(tmp_path / "attempt"),
+        cfg, specs, runner, lake, "rollout-0", [], attempts.AttemptCounter(tmp_path / "attempt"),
         clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
     )  # fmt: skip
     assert fan.run()["n"] == 4
@@ -214,7 +214,7 @@ def test_a_batch_whose_shards_never_finish_fails_clearly(tmp_path: Path) -> None
     runner = ScriptedRunner(lake, stall={0, 1, 2})
     now = [0.0]
     fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", [], shards.AttemptCounter(tmp_path / "attempt"),
+        cfg, specs, runner, lake, "rollout-0", [], attempts.AttemptCounter(tmp_path / "attempt"),
         clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
     )  # fmt: skip
     with pytest.raises(SandboxError, match="no result after 3 attempts"):
