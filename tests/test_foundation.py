@@ -175,3 +175,15 @@ def test_keys_are_refused_for_ids_landing_would_reject() -> None:
         with pytest.raises(KeyVerificationError, match="iteration="):
             keys.mint_key(secret, run_id="run1", iteration=bad, rollout_id="x")
     assert keys.verify_key(secret, keys.mint_key(secret, run_id="r" * 200, iteration=2**31 - 1, rollout_id="x"))
+
+
+def test_pid_alive_tells_a_running_process_from_a_reaped_one() -> None:
+    import subprocess
+    import sys
+
+    from clawpipe.procs import pid_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert pid_alive(os.getpid()) and pid_alive(1)
+    assert not pid_alive(child.pid)

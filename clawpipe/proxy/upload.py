@@ -33,6 +33,7 @@ from typing import Any
 
 from clawpipe import objstore
 from clawpipe.errors import CaptureError
+from clawpipe.procs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -193,19 +194,9 @@ def live_uploader(capture_dir: str | Path) -> bool:
     """Whether a process whose uploader serves ``capture_dir`` is alive (a killed proxy leaves a stale marker)."""
     for marker in (Path(capture_dir) / FLUSH_DIR).glob("uploader-*.alive"):
         pid = marker.stem.split("-", 1)[1]
-        if pid.isdigit() and _pid_alive(int(pid)):
+        if pid.isdigit() and pid_alive(int(pid)):
             return True
     return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def request_flush(capture_dir: str | Path, timeout_s: float = 60.0) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ import re
 import signal
 from pathlib import Path
 
+from clawpipe.procs import pid_alive
 from clawpipe.sandbox.fstree import copy_tree, remove_tree, walk
 
 logger = logging.getLogger(__name__)
@@ -58,16 +59,6 @@ def mount_quota(folder: Path, disk_mb: int) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _unescape(field: str) -> str:
     """A mountinfo path field: spaces, tabs, newlines and backslashes are written as octal escapes."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
@@ -82,7 +73,7 @@ def stale_mounts(mountinfo: str) -> list[str]:
         if not sep or len(fields) < 5 or len(rest) < 2 or rest[0] != "tmpfs":
             continue
         owner = rest[1].removeprefix(f"{MOUNT_SOURCE}-")
-        if owner != rest[1] and owner.isdigit() and not _alive(int(owner)):
+        if owner != rest[1] and owner.isdigit() and not pid_alive(int(owner)):
             out.append(_unescape(fields[4]))
     return out
 
