@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -120,24 +121,46 @@ class ScriptedRunner:
         self.given_up[handle] = reason
 
 
-def test_a_stalled_shard_is_fenced_and_rerun_under_new_ids(tmp_path: Path) -> None:
-    cfg = PipelineConfig(
-        groups=2, samples=3, shard_size=2, shard_stall_s=10, backend="process", eval_tasks=0, harnesses=CHAT_LOOP
-    )
+class Clock:
+    """Fake time for the pipeline's watch: ``sleep`` advances it, then runs ``on_sleep(now)`` (what the
+    shards do meanwhile)."""
+
+    def __init__(self, on_sleep: Callable[[float], None] | None = None) -> None:
+        self.now = 0.0
+        self.on_sleep = on_sleep
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.on_sleep:
+            self.on_sleep(self.now)
+
+
+def _watch(tmp_path: Path, cfg: PipelineConfig, runner: ScriptedRunner, clock: Clock) -> fanout.FanOut:
+    """Batch 0 of run1 fanned out over ``runner`` with the fake ``clock``."""
     specs = sample_specs(cfg, "run1", 0, policy_version=0)
-    lake = f"memory://lake-{uuid.uuid4().hex[:8]}"
-    runner = ScriptedRunner(lake, stall={1})
-    now = [0.0]
+    counter = attempts.AttemptCounter(tmp_path / "attempt")
+    return fanout.FanOut(
+        cfg, specs, runner, runner.lake, "rollout-0", ["http://u/v1"], counter, clock=clock, sleep=clock.sleep
+    )
 
-    def sleep(s: float) -> None:
-        now[0] += s
 
-    fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", ["http://u/v1"], attempts.AttemptCounter(tmp_path / "attempt"),
-        clock=lambda: now[0], sleep=sleep,
-    )  # fmt: skip
+def _memory_lake() -> str:
+    return f"memory://lake-{uuid.uuid4().hex[:8]}"
+
+
+def _stall_cfg(**kw: object) -> PipelineConfig:
+    return PipelineConfig(shard_size=2, backend="process", eval_tasks=0, harnesses=CHAT_LOOP, **kw)  # type: ignore[arg-type]
+
+
+def test_a_stalled_shard_is_fenced_and_rerun_under_new_ids(tmp_path: Path) -> None:
+    runner = ScriptedRunner(_memory_lake(), stall={1})
+    clock = Clock()
+    fan = _watch(tmp_path, _stall_cfg(groups=2, samples=3, shard_stall_s=10), runner, clock)
     out = fan.run()
-    assert out["n"] == len(specs) == 6
+    assert out["n"] == len(fan.specs) == 6
     assert [r.key for r in fan.submitted] == [
         "rollout-0.s0.a1",
         "rollout-0.s1.a1",
@@ -148,75 +171,44 @@ def test_a_stalled_shard_is_fenced_and_rerun_under_new_ids(tmp_path: Path) -> No
     assert fan.given_up == [stalled.key] and "heartbeat stopped" in runner.given_up["h1"]
     assert list(rerun.rollout_ids) == list(stalled.rollout_ids)  # the same rollouts, in the same groups ...
     assert list(rerun.rollout_ids.values()) == [f"{sid}.a2" for sid in stalled.rollout_ids]  # ... under new ids
-    assert 10 < now[0] < 20  # noticed once the heartbeat had been still for shard_stall_s
+    assert 10 < clock.now < 20  # noticed once the heartbeat had been still for shard_stall_s
     # a late upload by the stalled shard is refused: the decision it would claim is taken
-    assert shards.decide(lake, stalled, shards.PUBLISHED) == shards.GIVEN_UP
+    assert shards.decide(runner.lake, stalled, shards.PUBLISHED) == shards.GIVEN_UP
 
 
 def test_a_shard_that_claimed_its_rows_first_is_awaited_not_rerun(tmp_path: Path) -> None:
     """The shard decides to publish just as its heartbeat goes quiet for shard_stall_s: the pipeline's
     give-up loses the conditional create, waits for the rows and reruns nothing (the group stays whole)."""
-    cfg = PipelineConfig(
-        groups=2, samples=3, shard_size=2, shard_stall_s=10, backend="process", eval_tasks=0, harnesses=CHAT_LOOP
-    )
-    specs = sample_specs(cfg, "run1", 0, policy_version=0)
-    lake = f"memory://lake-{uuid.uuid4().hex[:8]}"
-    runner = ScriptedRunner(lake, stall={1})
-    now = [0.0]
+    runner = ScriptedRunner(_memory_lake(), stall={1})
 
-    def sleep(s: float) -> None:
-        now[0] += s
+    def slow_shard(now: float) -> None:
         slow = next(r for r in runner.reqs.values() if r.index == 1)
-        if now[0] >= 9 and shards.decide(lake, slow, shards.PUBLISHED) == shards.PUBLISHED and now[0] >= 14:
+        if now >= 9:
+            shards.decide(runner.lake, slow, shards.PUBLISHED)  # it claims its rows (later calls find them claimed)
+        if now >= 14:
             runner.stall.discard(1)  # its one upload lands a few seconds after its claim
 
-    fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", [], attempts.AttemptCounter(tmp_path / "attempt"),
-        clock=lambda: now[0], sleep=sleep,
-    )  # fmt: skip
+    fan = _watch(tmp_path, _stall_cfg(groups=2, samples=3, shard_stall_s=10), runner, Clock(slow_shard))
     out = fan.run()
     assert out["n"] == 6 and fan.given_up == [] and runner.given_up == {}
     assert [r.key for r in fan.submitted] == ["rollout-0.s0.a1", "rollout-0.s1.a1", "rollout-0.s2.a1"]
-    assert shards.decide(lake, fan.submitted[1], shards.GIVEN_UP) == shards.PUBLISHED
+    assert shards.decide(runner.lake, fan.submitted[1], shards.GIVEN_UP) == shards.PUBLISHED
 
 
 def test_a_shard_taken_by_a_worker_that_died_starting_it_is_rerun(tmp_path: Path) -> None:
-    cfg = PipelineConfig(
-        groups=1,
-        samples=4,
-        shard_size=2,
-        shard_stall_s=10,
-        shard_start_s=30,
-        backend="process",
-        eval_tasks=0,
-        harnesses=CHAT_LOOP,
-    )
-    specs = sample_specs(cfg, "run1", 0, policy_version=0)
-    lake = f"memory://lake-{uuid.uuid4().hex[:8]}"
-    runner = ScriptedRunner(lake, stall=set(), starting=frozenset({0}))
-    now = [0.0]
-    fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", [], attempts.AttemptCounter(tmp_path / "attempt"),
-        clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
-    )  # fmt: skip
+    runner = ScriptedRunner(_memory_lake(), stall=set(), starting=frozenset({0}))
+    clock = Clock()
+    cfg = _stall_cfg(groups=1, samples=4, shard_stall_s=10, shard_start_s=30)
+    fan = _watch(tmp_path, cfg, runner, clock)
     assert fan.run()["n"] == 4
     assert fan.given_up == ["rollout-0.s0.a1"] and "no heartbeat" in runner.given_up["h0"]
-    assert 30 < now[0] < 40  # the longer start allowance, not shard_stall_s, applied before any heartbeat
+    assert 30 < clock.now < 40  # the longer start allowance, not shard_stall_s, applied before any heartbeat
     assert list(fan.submitted[-1].rollout_ids.values()) == [f"{sid}.a2" for sid in fan.submitted[0].rollout_ids]
 
 
 def test_a_batch_whose_shards_never_finish_fails_clearly(tmp_path: Path) -> None:
-    cfg = PipelineConfig(
-        groups=1, samples=2, shard_size=2, shard_stall_s=5, backend="process", eval_tasks=0, harnesses=CHAT_LOOP
-    )
-    specs = sample_specs(cfg, "run1", 0, policy_version=0)
-    lake = f"memory://lake-{uuid.uuid4().hex[:8]}"
-    runner = ScriptedRunner(lake, stall={0, 1, 2})
-    now = [0.0]
-    fan = fanout.FanOut(
-        cfg, specs, runner, lake, "rollout-0", [], attempts.AttemptCounter(tmp_path / "attempt"),
-        clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
-    )  # fmt: skip
+    runner = ScriptedRunner(_memory_lake(), stall={0, 1, 2})
+    fan = _watch(tmp_path, _stall_cfg(groups=1, samples=2, shard_stall_s=5), runner, Clock())
     with pytest.raises(SandboxError, match="no result after 3 attempts"):
         fan.run()
     assert len(fan.submitted) == 3 and len(fan.given_up) == 3
