@@ -157,21 +157,17 @@ def test_summary_shows_per_harness_tokens_and_drift(mix_run: tuple[dict, Path, s
         "where r.run_id = $r and c.choice_index = 0 group by all",
         params=params,
     ).fetchall()
-    completion = dict(
-        ((h, i), n)
-        for h, i, n in con.sql(
-            "select r.harness, r.iteration, sum(c.completion_tokens) "
-            "from rollouts r join model_calls c using (run_id, iteration, rollout_id) where r.run_id = $r group by all",
-            params=params,
-        ).fetchall()
+
+    def by_harness_iteration(sql: str) -> dict[tuple[str, int], float]:
+        return {(h, i): n for h, i, n in con.sql(sql, params=params).fetchall()}
+
+    completion = by_harness_iteration(
+        "select r.harness, r.iteration, sum(c.completion_tokens) "
+        "from rollouts r join model_calls c using (run_id, iteration, rollout_id) where r.run_id = $r group by all"
     )
-    drift = dict(
-        ((h, i), n)
-        for h, i, n in con.sql(
-            "select r.harness, r.iteration, sum(t.branches_drift) from rollouts r join tree_stats t "
-            "using (run_id, iteration, rollout_id) where r.run_id = $r and t.scope = 'rollout' group by all",
-            params=params,
-        ).fetchall()
+    drift = by_harness_iteration(
+        "select r.harness, r.iteration, sum(t.branches_drift) from rollouts r join tree_stats t "
+        "using (run_id, iteration, rollout_id) where r.run_id = $r and t.scope = 'rollout' group by all"
     )
     lake = {(h, i): (n, p, completion[(h, i)], drift[(h, i)], sp) for h, i, n, p, sp in calls}
     for it in summary["iterations"]:
