@@ -42,6 +42,10 @@ import psutil
 from clawpipe.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from upstream import body_framing  # noqa: E402  (bench/upstream.py: the mock upstream beside this bench)
+
 SHARED = Path(os.environ.get("CLAWPIPE_SHARED_BENCH", ROOT.parent / "shared" / "bench"))
 PY = sys.executable
 SECRET = b"bench-secret"
@@ -91,7 +95,6 @@ def load() -> str:
 
 def _requests(size: str, n: int, seed: int) -> list[bytes]:
     """``n`` HTTP requests whose bodies are bench/data.py's ``size`` calls (multi-turn chats, each its own)."""
-    sys.path.insert(0, str(ROOT / "bench"))
     import data
 
     out = []
@@ -109,13 +112,7 @@ async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: 
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
-    clen, chunked = 0, False
-    for line in head.split(b"\r\n"):
-        low = line.lower()
-        if low.startswith(b"content-length:"):
-            clen = int(line[15:])
-        elif low.startswith(b"transfer-encoding:") and b"chunked" in low:
-            chunked = True
+    clen, chunked = body_framing(head)
     if chunked:
         while n := int((await reader.readuntil(b"\r\n")).strip(), 16):
             await reader.readexactly(n + 2)
@@ -346,7 +343,6 @@ def rss_run(pid: int, path: str, port: int, total: int, core0: int | None) -> di
 def landing_cpu_ms(kind: str, n: int, tmp: Path) -> float:
     """Landing's CPU per call (one core, in a child) on ``n`` production-shaped calls of ``kind`` from
     bench/data.py: the parse the proxy defers, paid once per call at landing."""
-    sys.path.insert(0, str(ROOT / "bench"))
     import data
 
     caps, lake = tmp / f"land-{kind}", tmp / f"lake-{kind}"

@@ -41,6 +41,18 @@ def is_large(body: bytes) -> bool:
     return int(m.group(1)) >= LARGE_MAX_TOKENS if m else len(body) > LARGE_BODY
 
 
+def body_framing(head: bytes) -> tuple[int, bool]:
+    """(Content-Length, chunked) of an HTTP head: how its body is framed (0, False: no body)."""
+    clen, chunked = 0, False
+    for line in head.split(b"\r\n"):
+        low = line.lower()
+        if low.startswith(b"content-length:"):
+            clen = int(line[15:])
+        elif low.startswith(b"transfer-encoding:") and b"chunked" in low:
+            chunked = True
+    return clen, chunked
+
+
 class Upstream:
     """Serves the drawn responses in turn, per kind."""
 
@@ -59,13 +71,7 @@ class Upstream:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                clen, chunked = 0, False
-                for line in head.split(b"\r\n"):
-                    low = line.lower()
-                    if low.startswith(b"content-length:"):
-                        clen = int(line[15:])
-                    elif low.startswith(b"transfer-encoding:") and b"chunked" in low:
-                        chunked = True
+                clen, chunked = body_framing(head)
                 body = await self._chunked(reader) if chunked else (await reader.readexactly(clen) if clen else b"")
                 writer.write(self.answer(body))
                 await writer.drain()
