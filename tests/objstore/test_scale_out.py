@@ -21,6 +21,7 @@ import pytest
 from clawpipe import objstore
 from clawpipe.net import free_port
 from clawpipe.pipeline import attempts, shards
+from tests.support.prefect_server import spawn, start_server, wait_until_healthy
 
 FANOUT_CONFIG = """
 run_name = "fanout"
@@ -38,22 +39,6 @@ shard_stall_s = 10
 name = "chat-loop"
 task_set = "guess"
 """
-
-
-def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_for_server(api: str, server: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                return
-        assert server.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.5)
-    raise AssertionError(f"prefect server did not answer: {log.read_text()[-3000:]}")
 
 
 def _kill_mid_shard(lake: str, homes: dict[str, Path], workers: dict[str, subprocess.Popen[bytes]]) -> dict[str, Any]:
@@ -98,34 +83,30 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
             "CLAWPIPE_LAKE_URI": lake,
         }
     )
-    server = _spawn(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env,
-        tmp_path / "server.log",
-    )
+    server = start_server(port, env, tmp_path / "server.log")
     homes = {name: tmp_path / name for name in ("hostA", "hostB", "control")}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     cli = [sys.executable, "-m", "clawpipe"]
     try:
-        _wait_for_server(api, server, tmp_path / "server.log")
+        wait_until_healthy(api, server, tmp_path / "server.log")
         worker = [*cli, "worker", "--pool", "rollouts", "--slots", "2", "--limit", "1"]  # one shard at a time
         host_env = {
             name: {**env, "CLAWPIPE_HOME": str(homes[name]), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / f"c-{name}")}
             for name in ("hostA", "hostB")
         }
         for name in ("hostA", "hostB"):
-            procs[name] = _spawn(worker, host_env[name], tmp_path / f"{name}.log")
+            procs[name] = spawn(worker, host_env[name], tmp_path / f"{name}.log")
         cfg = tmp_path / "fanout.toml"
         cfg.write_text(FANOUT_CONFIG)
         summary = tmp_path / "summary.json"
         control_env = {**env, "CLAWPIPE_HOME": str(homes["control"]), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / "c")}
         run_cmd = [*cli, "run", "--config", str(cfg), "--summary-out", str(summary)]
-        procs["run"] = _spawn(run_cmd, control_env, tmp_path / "run.log")
+        procs["run"] = spawn(run_cmd, control_env, tmp_path / "run.log")
         killed = _kill_mid_shard(lake, homes, {k: procs[k] for k in ("hostA", "hostB")})
         (record,) = (homes[killed["worker"]] / "proxies").glob("*.json")
         proxy_pid = json.loads(record.read_text())["pid"]
         # the host comes back: a new worker there finds the proxy the killed one's shard started
-        procs[f"{killed['worker']}-again"] = _spawn(worker, host_env[killed["worker"]], tmp_path / "again.log")
+        procs[f"{killed['worker']}-again"] = spawn(worker, host_env[killed["worker"]], tmp_path / "again.log")
         assert procs["run"].wait(timeout=500) == 0, (tmp_path / "run.log").read_text()[-6000:]
         result = json.loads(summary.read_text())
         run_id = result["run_id"]

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from clawpipe.net import free_port
+from tests.support.prefect_server import spawn, start_server, wait_until_healthy
 
 pytestmark = [pytest.mark.slow]
 
@@ -31,11 +32,6 @@ task_set = "guess"
 """
 
 
-def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def test_deployment_run_is_completed_by_a_worker(tmp_path: Path) -> None:
     home = tmp_path / "home"
     port = free_port()
@@ -51,22 +47,10 @@ def test_deployment_run_is_completed_by_a_worker(tmp_path: Path) -> None:
             "PYTHONUNBUFFERED": "1",
         }
     )
-    server = _spawn(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env,
-        tmp_path / "server.log",
-    )
+    server = start_server(port, env, tmp_path / "server.log")
     worker = None
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
+        wait_until_healthy(api, server, tmp_path / "server.log")
         cfg = tmp_path / "p.toml"
         cfg.write_text(CONFIG)
         cli = [sys.executable, "-m", "clawpipe"]
@@ -83,7 +67,7 @@ def test_deployment_run_is_completed_by_a_worker(tmp_path: Path) -> None:
         (dep,) = [d for d in deps if d["name"] == "clawpipe-pipeline"]
         assert dep["schedules"] and dep["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
         run = httpx.post(f"{api}/deployments/{dep['id']}/create_flow_run", json={}, timeout=10).json()
-        worker = _spawn([*cli, "worker", "--pool", "clawpipe", "--api-url", api], env, tmp_path / "worker.log")
+        worker = spawn([*cli, "worker", "--pool", "clawpipe", "--api-url", api], env, tmp_path / "worker.log")
         state = None
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
