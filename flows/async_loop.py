@@ -128,6 +128,7 @@ async def trainer(cfg: PipelineConfig, run_id: str, start: int, services: dict[s
                 rows = await asyncio.to_thread(ov.take_batch, shared, settings, run_id, iteration)
                 if rows is None:
                     await asyncio.sleep(POLL_S)
+            shared.span("trainer", "take", iteration, t0)  # from the previous step's return to this batch taken
             waits = {"trainer_wait_s": time.monotonic() - t0, "producer_wait_s": shared.producer_wait_s.get(iteration)}
             logger.info("trainer: batch %d complete in the lake (waited %.1f s)", iteration, waits["trainer_wait_s"])
             step = await asyncio.to_thread(train_step, cfg, run_id, iteration, shared.position(), services, waits)
