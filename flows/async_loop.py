@@ -172,7 +172,8 @@ async def _finish(
                 shared.span("trainer", "evaluate", iteration, t0)
         if previous is not None:
             await previous
-        summary = report.iteration_summary(
+        summary = await asyncio.to_thread(  # reads the lake: off the loop both sides share
+            report.iteration_summary,
             iteration,
             rollouts=stages.summarize_results(rollout_rows),
             trees=step["trees"],
