@@ -54,7 +54,31 @@ def _flatten_nested(table: Any) -> Any:
     return pa.table(cols, names=table.column_names)
 
 
+def _check_out(out: Path, lake_root: str) -> None:
+    """``--out`` must be a file this command may write: not a folder, in an existing one, outside the lake
+    (a result written among the lake's files would become part of a table and its rows counted twice)."""
+    from clawpipe.tables import LakeFS
+
+    target = out.expanduser().resolve()
+    if target.is_dir():
+        raise typer.BadParameter(f"--out {out} is a folder; give a file path")
+    if not target.parent.is_dir():
+        raise typer.BadParameter(f"--out {out}: folder {target.parent} does not exist; create it or write elsewhere")
+    lake = LakeFS(lake_root)
+    if lake.is_local and target.is_relative_to(lake.root):
+        raise typer.BadParameter(
+            f"--out {out} is inside the lake ({lake.root}), which clawpipe sql leaves read-only; write elsewhere"
+        )
+
+
 def _emit(table: Any, fmt: str, out: Path | None) -> None:
+    try:
+        _write(table, fmt, out)
+    except OSError as exc:
+        _fail(OSError(f"cannot write --out {out}: {exc}; give a writable file path"))
+
+
+def _write(table: Any, fmt: str, out: Path | None) -> None:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -146,6 +170,10 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"--format must be one of {', '.join(FORMATS)}")
         if (query is None) == (saved is None):
             raise typer.BadParameter("give a QUERY or --saved NAME (one of them)")
+        if fmt == "parquet" and out is None:
+            raise typer.BadParameter("--format parquet needs --out FILE")
+        if out is not None:
+            _check_out(out, _lake_root(lake))
         params: dict[str, str] = {}
         for p in param:
             if "=" not in p:

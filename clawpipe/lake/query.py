@@ -59,10 +59,18 @@ def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
         raise LakeError(str(exc).strip()) from exc
     if len(statements) != 1:
         raise LakeError(f"give exactly one statement (got {len(statements)})")
-    kind = statements[0].type
+    try:
+        kind = statements[0].type
+    except ValueError:  # a statement kind newer than the Python enum (e.g. UPDATE EXTENSIONS): not a SELECT
+        raise LakeError("the lake is read-only here: only SELECT statements run; use SELECT") from None
     if kind == duckdb.StatementType.EXPLAIN:
         raise LakeError(
             "the lake is read-only here: EXPLAIN is refused (EXPLAIN ANALYZE runs its statement); use SELECT"
+        )
+    if kind == duckdb.StatementType.MULTI:  # DuckDB runs PIVOT as several statements (it creates a type first)
+        raise LakeError(
+            "the lake is read-only here: this runs as several statements (PIVOT without an IN list does); "
+            "name the pivot's values (PIVOT t ON col IN ('a', 'b') USING ...) or use GROUP BY"
         )
     if kind != duckdb.StatementType.SELECT:
         raise LakeError(f"the lake is read-only here: {kind.name} statements are refused; use SELECT")

@@ -327,6 +327,9 @@ ATTACKS = [
     "set allowed_paths = ['/']",
     "use memory",
     "create secret (type s3, key_id 'a', secret 'b')",
+    "update extensions",  # a statement kind the Python enum does not name
+    "update extensions (httpfs)",
+    "pivot rollouts on harness using count(*)",  # runs as several statements (creates an enum type first)
     # reading what is not the lake's tables, path tricks included
     "select * from read_text('/etc/hostname')",
     "select * from read_csv('{outside}/secret.csv')",
@@ -384,8 +387,14 @@ def test_plain_selects_still_run(lake: Path) -> None:
         "summarize rollouts",
         "select * from query('select count(*) from rollouts')",
         f"select count(*) from parquet_metadata('{part}')",
+        "pivot rollouts on harness in ('h1', 'h2') using count(*)",
     ):
         assert run_sql(lake, query).num_rows >= 1, query
+
+
+def test_a_pivot_without_values_is_refused_naming_the_fix(lake: Path) -> None:
+    with pytest.raises(LakeError, match=r"PIVOT t ON col IN \('a', 'b'\)"):
+        run_sql(lake, "pivot rollouts on harness using count(*)")
 
 
 def test_ad_hoc_sql_reads_only_the_lake(lake: Path, tmp_path: Path) -> None:
