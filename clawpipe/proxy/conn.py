@@ -73,6 +73,7 @@ class ClientConn(asyncio.Protocol):
         self._close_pending = False
         self._dropped = False  # the input being parsed was refused: drop what is left of it
         self.refused = False  # over the connection limit: answered 503 and closed
+        self._bodiless = 0  # answering a HEAD request: 1 until its head is written, then 2 (the rest dropped)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -128,8 +129,15 @@ class ClientConn(asyncio.Protocol):
             up.transport.resume_reading()
 
     def write(self, data: bytes) -> None:
-        if not self.closed and self.transport is not None:
-            self.transport.write(data)
+        if self.closed or self.transport is None:
+            return
+        if self._bodiless:  # RFC 9110: a response to HEAD has no content (a client would read it as the next one)
+            if self._bodiless == 2:
+                return
+            end = data.find(b"\r\n\r\n")
+            if end >= 0:
+                data, self._bodiless = data[: end + 4], 2
+        self.transport.write(data)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -210,8 +218,10 @@ class ClientConn(asyncio.Protocol):
         self._head = head
         if head.length < 0:
             self._chunks = ChunkedBody(cfg.max_body_bytes)
-        if head.headers.get(b"expect", b"").lower() == b"100-continue" and (
-            head.length < 0 or len(src) - pos < head.length
+        if (
+            head.headers.get(b"expect", b"").lower() == b"100-continue"
+            and head.version == b"HTTP/1.1"  # RFC 9110: never a 1xx to an HTTP/1.0 client
+            and (head.length < 0 or len(src) - pos < head.length)
         ):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return pos
@@ -319,6 +329,7 @@ class ClientConn(asyncio.Protocol):
 
     def _dispatch(self, req: wire.Request) -> None:
         self.busy = True
+        self._bodiless = 1 if req.method == "HEAD" else 0
         self.phase = BUSY
         self._release()  # the body is complete: the budget covers bodies still being received
         self.proxy.serve(self, req)
@@ -327,6 +338,7 @@ class ClientConn(asyncio.Protocol):
         """The current request is answered: go on with the next one, or close."""
         self.busy = False
         self.call = None
+        self._bodiless = 0
         self.phase, self.since = IDLE, self.proxy.now()
         if not keep_alive:
             if self._discard and not self.closed:  # closing with unread input would reset the connection

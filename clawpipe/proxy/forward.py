@@ -14,7 +14,6 @@ response over the size limit, body over the budget, shutdown, an internal error)
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -26,6 +25,7 @@ from clawpipe.capture import HEADER_FORMAT, CaptureHeader
 from clawpipe.errors import ClawpipeError
 from clawpipe.keys import RolloutKey
 from clawpipe.proxy import respond, wire
+from clawpipe.proxy.body import parse_body
 from clawpipe.proxy.call import Call
 from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
@@ -34,6 +34,7 @@ from clawpipe.proxy.replicas import RETRY_STATUSES, ReplicaSet
 from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, prepare_body
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
+from clawpipe.proxy.wire import BadRequest
 
 if TYPE_CHECKING:
     from clawpipe.proxy.retokenize import Retokenizer
@@ -144,12 +145,9 @@ class CallPath:
         body, stream = req.body, False
         if api != "models":  # a JSON body: checked here, so the upstream never sees a malformed one
             try:
-                obj = json.loads(body)
-            except (ValueError, RecursionError) as exc:
-                await self.fail(conn, req, header, 400, f"request body is not valid JSON: {exc}", anthropic)
-                return
-            if not isinstance(obj, dict):
-                await self.fail(conn, req, header, 400, "request body must be a JSON object", anthropic)
+                obj = parse_body(body)
+            except BadRequest as exc:
+                await self.fail(conn, req, header, exc.status, str(exc), anthropic)
                 return
             stream = header.stream = obj.get("stream") is True
             model = obj.get("model")

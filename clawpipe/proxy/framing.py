@@ -81,7 +81,12 @@ def _fields(
                     raise BadRequest(400, f"malformed Content-Length {value[:40]!r} in the {what}")
                 lengths.add(int(item))
         elif lname == b"transfer-encoding":
-            codings.extend(c.strip(b" \t").lower() for c in value.split(b",") if c.strip(b" \t"))
+            named = [c.strip(b" \t").lower() for c in value.split(b",") if c.strip(b" \t")]
+            if not named:  # else the body would be framed by Content-Length, or none, where a peer sees chunked
+                raise BadRequest(
+                    400, f"empty Transfer-Encoding in the {what}: send Transfer-Encoding: chunked or Content-Length"
+                )
+            codings.extend(named)
             value = b", ".join(codings)
         headers[lname] = value
         if ordered is not None:
@@ -103,6 +108,8 @@ def parse_request_head(head: bytes) -> Head:
         raise BadRequest(400, "malformed HTTP request line: expected 'METHOD /path HTTP/1.1'")
     if not parts[1].isascii():
         raise BadRequest(400, "non-ASCII request target: percent-encode it")
+    if b"\t" in parts[1]:  # forwarded as is: a tab splits the request line for parsers that split on whitespace
+        raise BadRequest(400, "a tab in the request target: percent-encode it (%09)")
     headers, lengths, codings = _fields(lines[1:], "request")
     version = parts[2]
     if codings:

@@ -100,11 +100,15 @@ class Request:
 
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_CONTROL = bytes([*range(9), *range(10, 32), 127])  # control characters but HTAB
 
 
 def chunk_size(line: bytes) -> int:
     """The size on a chunk-size line (extensions after ';' ignored). Only hex digits count: int(x, 16) would
-    also take '-6', '+6', '0x6' or '6_0', and a negative size walks a parser backwards forever."""
+    also take '-6', '+6', '0x6' or '6_0', and a negative size walks a parser backwards forever. No control
+    character either, extensions included: a bare LF there ends the line for parsers that split on LF."""
+    if len(line.translate(None, _CONTROL)) != len(line):
+        raise ValueError(f"control character in chunk-size line {bytes(line[:40])!r}")
     digits = line.split(b";", 1)[0].strip()
     if not digits or len(digits) > 16 or not _HEX.issuperset(digits):
         raise ValueError(f"malformed chunk size {bytes(line[:40])!r}")

@@ -195,6 +195,7 @@ OK_BODY = b'{"choices": []}'
             "both Content-Length and Transfer-Encoding",
         ),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: xchunked\r\n\r\n" + OK_BODY, "Transfer-Encoding"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: \r\ncontent-length: 15\r\n\r\n" + OK_BODY, "empty Transfer-Encoding"),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 15\r\ncontent-length: 16\r\n\r\n" + OK_BODY, "conflicting"),
         (b"HTTP/1.1 200 OK\ncontent-length: 15\r\n\r\n" + OK_BODY, "bare LF"),
         (b"HTTP/1.1 200 OK\r\nx-split: a\rset-cookie: b\r\ncontent-length: 15\r\n\r\n" + OK_BODY, "bare CR"),

@@ -1,0 +1,41 @@
+"""The checks a model call's JSON body passes before it is forwarded (RFC 8259 JSON, one object).
+
+The proxy reads the body to add the token-id fields (:mod:`~clawpipe.proxy.routes`) and to know whether the
+answer streams, so it must read it exactly as the upstream and the lake will: UTF-8 without a byte order
+mark (``json.loads`` on bytes would also take UTF-16/32, which the field splice would corrupt, and encoded
+surrogates), no ``NaN``/``Infinity`` (not JSON; the lake's parser refuses them), and a ``stream`` that is a
+boolean (an upstream that coerces ``1`` or ``"true"`` would stream an answer the proxy takes for a whole one).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from clawpipe.proxy.wire import BadRequest
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value: send a number or null")
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The body's JSON object; raises :class:`BadRequest` (400) saying what is wrong and what to send."""
+    if body.startswith(_BOM):
+        raise BadRequest(400, "request body starts with a byte order mark: send UTF-8 JSON without one")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(400, f"request body is not UTF-8 (byte {exc.start}): send the JSON encoded as UTF-8") from exc
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    stream = obj.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(400, f"stream must be true or false, not {json.dumps(stream)[:40]}")
+    return obj
