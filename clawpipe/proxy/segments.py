@@ -7,7 +7,8 @@ wake-up per batch). The proxy releases a call's response (or the last bytes of a
 that callback, which is the guarantee: *a call whose response reached the harness is on disk*.
 
 Segments are ``<instance>-<n>.open`` while written and renamed to ``.seg`` when sealed (on rotation by size
-or age, and on shutdown). The writer holds an exclusive ``flock`` on its open segment; on start, every
+or age, and on shutdown; a rotation opens the next segment before it seals the last, so while the writer
+runs one is always open). The writer holds an exclusive ``flock`` on its open segment; on start, every
 ``.open`` segment in the directory whose lock is free belongs to a dead writer: its torn tail (an incomplete
 frame after the last intact one) is cut (:func:`clawpipe.capture.recover_segment`) and it is sealed, so a
 crash loses nothing that was committed; damaged frames before that stay for landing to report as rejects.
@@ -192,12 +193,15 @@ class SegmentWriter:
         self._fd, self._path, self._size, self._opened_at = fd, path, 0, time.monotonic()
 
     def _seal_current(self) -> None:
-        if self._fd < 0 or self._path is None:
-            return
-        path = self._path
+        fd, path, size = self._fd, self._path, self._size
+        self._fd, self._path = -1, None
+        if fd >= 0 and path is not None:
+            self._seal(fd, path, size)
+
+    def _seal(self, fd: int, path: Path, size: int) -> None:
         try:
-            os.fsync(self._fd)
-            if self._size == 0:
+            os.fsync(fd)
+            if size == 0:
                 path.unlink(missing_ok=True)
             else:
                 sealed = path.with_suffix(capture.SEALED_SUFFIX)  # our frames are whole: no recovery scan
@@ -207,8 +211,7 @@ class SegmentWriter:
             if self.uploader is not None:
                 self.uploader.wake()
         finally:
-            os.close(self._fd)
-            self._fd, self._path = -1, None
+            os.close(fd)
 
     def _run(self) -> None:
         while True:
@@ -244,8 +247,10 @@ class SegmentWriter:
 
     def _rotate(self) -> None:
         try:
-            self._seal_current()
-            self._open_segment()
+            fd, path, size = self._fd, self._path, self._size
+            self._open_segment()  # the next segment exists before this one is sealed: one is always open
+            if fd >= 0 and path is not None:
+                self._seal(fd, path, size)
         except OSError as exc:
             log.error("segment rotation failed dir=%s error=%s", self.directory, exc)
             self.failed = exc
