@@ -1,7 +1,8 @@
 """Request translation: OpenAI Chat, OpenAI Responses and Anthropic Messages bodies -> chat-template messages
 (clawpipe.apis.requests), tools and sampling parameters. Everything a harness sends that the engine cannot
-honour (cache_control, thinking, beta features, metadata, include, ...) is accepted and ignored; malformed
-input raises RequestError with a message naming the field.
+honour (cache_control, thinking, beta features, metadata, include, ...) is accepted and ignored, except content
+it cannot read (images, audio, files: a 400, since answering without them would answer another prompt);
+malformed input raises RequestError with a message naming the field.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def apply_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]], api: st
         kind = choice
     elif isinstance(choice, dict) and choice.get("type") == "function":
         kind = "function"
-        name = (choice.get("function") or {}).get("name") if api == "chat" else choice.get("name")
+        name = _chat_choice_name(choice) if api == "chat" else choice.get("name")
     elif isinstance(choice, dict) and api == "responses":
         kind = "auto"  # allowed_tools, hosted tool types: nothing to check here
     else:
@@ -53,6 +54,18 @@ def apply_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]], api: st
     if kind in ("tool", "function") and (not isinstance(name, str) or name not in names):
         raise RequestError(f"tool_choice names {name!r}, which is not one of the request's tools {names}")
     return tools
+
+
+def _chat_choice_name(choice: dict[str, Any]) -> Any:
+    """The tool name of a chat tool_choice {type: 'function', function: {name}}."""
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise RequestError(
+            "'tool_choice' of type function must be {type: 'function', function: {name: ...}}, got "
+            f"{json.dumps(choice)[:80]}",
+            param="tool_choice",
+        )
+    return function.get("name")
 
 
 def stop_list(value: Any, key: str = "stop") -> list[str]:
@@ -83,6 +96,12 @@ def check_common(body: dict[str, Any]) -> None:
         value = body.get(key)
         if value is not None and not isinstance(value, kind):
             raise RequestError(f"'{key}' must be {what}, got {json.dumps(value)[:80]}")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        # as OpenAI and vLLM answer it: include_usage asked of a non-streamed call would be silently unmet
+        raise RequestError(
+            "'stream_options' is only allowed when 'stream' is true; drop it or stream the response",
+            param="stream_options",
+        )
 
 
 def _number(body: dict[str, Any], key: str, default: float) -> float:
@@ -127,6 +146,50 @@ def sampling(
 # here its shape errors become the engine's 400s.
 
 
+# content parts a text-only model cannot take in (chat, Responses and Anthropic spellings): refused with a 400
+# rather than dropped, so a client never gets an answer to a prompt it did not send
+MEDIA_PARTS = {"image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file"}
+MEDIA_PARTS |= {"document", "image_file"}
+TEXT_PARTS = {"text", "input_text", "output_text"}
+
+
+def check_parts(content: Any, where: str) -> None:
+    """RequestError for a media part (image, audio, file) or a text part without string text in a content list;
+    other shapes are left to the conversion, which names what is wrong with them."""
+    if not isinstance(content, list):
+        return
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            continue
+        if kind in MEDIA_PARTS:
+            raise RequestError(
+                f"{where}[{i}] is a part of type {kind!r}, but this server's model reads text only; send the content "
+                "as text"
+            )
+        if kind in TEXT_PARTS and not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{i}]: a {kind} part needs a string 'text', got {json.dumps(part)[:80]}")
+        if kind == "tool_result":
+            check_parts(part.get("content"), f"{where}[{i}].content")
+
+
+def _check_messages(body: dict[str, Any], key: str, content: str = "content") -> None:
+    """The checks the shared conversion leaves to the engine: each message's role is a string, and its content
+    parts are ones a text-only model can read (see check_parts)."""
+    messages = body.get(key)
+    if not isinstance(messages, list):
+        return
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if role is not None and not isinstance(role, str):
+            raise RequestError(f"{key}[{i}].role must be a string, got {json.dumps(role)[:80]}", param=key)
+        check_parts(m.get(content), f"{key}[{i}].{content}")
+        if key == "input" and m.get("type") in ("function_call_output", "custom_tool_call_output"):
+            check_parts(m.get("output"), f"{key}[{i}].output")
+
+
 def _served(convert: Callable[[dict[str, Any]], T], body: dict[str, Any]) -> T:
     try:
         return convert(body)
@@ -136,6 +199,7 @@ def _served(convert: Callable[[dict[str, Any]], T], body: dict[str, Any]) -> T:
 
 def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(template messages, template tools) of a chat-completions body."""
+    _check_messages(body, "messages")
     return _served(requests.chat_messages, body)
 
 
@@ -146,9 +210,13 @@ def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def responses_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(template messages, template tools) of a Responses body (instructions, input items, function tools)."""
+    _check_messages(body, "input")
+    check_parts(body.get("instructions"), "instructions")
     return _served(requests.responses_messages, body)
 
 
 def anthropic_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(template messages, template tools) of an Anthropic Messages body, as Claude Code sends it."""
+    _check_messages(body, "messages")
+    check_parts(body.get("system"), "system")
     return _served(requests.anthropic_messages, body)

@@ -38,6 +38,9 @@ class ChatRoutes(Routes):
         want_ids = True  # always: the proxy asks for ids, and SDK clients ignore extra fields
         if not isinstance(body.get("logprobs"), bool | None):
             raise RequestError("'logprobs' must be true or false")
+        if params.top_logprobs and not body.get("logprobs"):
+            # they would be computed and then not shown: the alternatives go out in logprobs.content
+            raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         want_lp = bool(body.get("logprobs")) or bool(body.get("return_token_ids"))
         rid, created = f"chatcmpl-{new_id('', 12)}", int(time.time())
         if body.get("stream"):

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
 from clawpipe.errors import ServingError
+from clawpipe.serving.sampler import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
 
@@ -343,11 +344,11 @@ def compute_logprobs(
 ) -> list[float]:
     """Teacher-forced log p(completion_ids[i] | prompt + completion[:i]) under softmax(raw_logits / T).
 
-    T = 0 (greedy) is scored under T = 1, as the engine reports it.
+    T = 0 (greedy, as is any T below GREEDY_BELOW) is scored under T = 1, as the engine reports it.
     """
     if not completion_ids:
         return []
-    temp = temperature if temperature > 0 else 1.0
+    temp = temperature if temperature >= GREEDY_BELOW else 1.0
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)  # (1, P+C)
     logits = model(input_ids=ids).logits[0].float()  # (P+C, V)

@@ -1,5 +1,6 @@
 """Token sampling for a batch of rows: softmax(raw_logits / T) with top-p, one uniform draw per row, and the
-logprob the trainer scores, log_softmax(raw_logits / T) of the sampled token (T = 0: argmax, scored under T = 1).
+logprob the trainer scores, log_softmax(raw_logits / T) of the sampled token (T below GREEDY_BELOW, 0 included:
+argmax, scored under T = 1).
 """
 
 from __future__ import annotations
@@ -7,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# Temperatures below this decode greedily, as vLLM does: dividing float32 logits by a temperature near zero
+# (1e-40 is a valid JSON number) overflows them to inf, and the distribution, the sampled id and its logprob to NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -26,7 +31,7 @@ def sample(
     order, top-p rows over the sorted nucleus."""
     logits = logits.float()
     temps = torch.tensor(temperatures, device=logits.device)
-    greedy = temps <= 0
+    greedy = temps < GREEDY_BELOW
     scale = torch.where(greedy, torch.ones_like(temps), temps)
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # (B, V)
     probs = logp.exp()

@@ -1,0 +1,166 @@
+"""The engine's API boundary under unusual clients: sampling values at their edges, content a text-only model
+cannot read, malformed shapes the shared conversion does not catch. Each gets a 200 with valid JSON or a 400
+in the API's own error shape naming the field, never a 500, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serving.conftest import TOOLS
+
+MSGS = [{"role": "user", "content": "hi"}]
+PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+def _strict(text: str) -> Any:
+    """JSON as a strict parser reads it: NaN and Infinity are not JSON."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _stream_events(text: str) -> list[Any]:
+    return [_strict(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _post(server: Any, api: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{PATHS[api]}", json={"model": "tiny", **body}, timeout=60)
+
+
+def _error(api: str, r: httpx.Response) -> str:
+    """The message of an error response, checking it has the API's own shape."""
+    body = r.json()
+    if api == "messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    else:
+        assert body["error"]["type"] == "invalid_request_error", body
+    return str(body["error"]["message"])
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-44, 1e-300])
+def test_a_temperature_next_to_zero_decodes_greedily_with_finite_logprobs(server: Any, temperature: float) -> None:
+    greedy = _post(server, "chat", {"messages": MSGS, "max_tokens": 4, "temperature": 0, "logprobs": True}).json()
+    body = {"messages": MSGS, "max_tokens": 4, "temperature": temperature, "logprobs": True, "top_logprobs": 2}
+    r = _post(server, "chat", body)
+    assert r.status_code == 200, r.text
+    choice = _strict(r.text)["choices"][0]
+    assert choice["token_ids"] == greedy["choices"][0]["token_ids"]
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(
+        [e["logprob"] for e in greedy["choices"][0]["logprobs"]["content"]]
+    )
+    streamed = _stream_events(_post(server, "chat", {**body, "stream": True}).text)
+    ids = [i for e in streamed for c in e["choices"] for i in c.get("token_ids", [])]
+    assert ids == choice["token_ids"]
+    legacy = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 3, "temperature": temperature, "logprobs": 2},
+        timeout=60,
+    )
+    assert legacy.status_code == 200 and _strict(legacy.text)["choices"][0]["token_ids"], legacy.text
+    for api, extra in (("responses", {"input": "hi", "max_output_tokens": 3}), ("messages", {"max_tokens": 3})):
+        r = _post(server, api, {"messages": MSGS, **extra, "temperature": temperature})
+        assert r.status_code == 200, (api, r.text)
+        _strict(r.text)
+
+
+def test_a_chat_tool_choice_whose_function_is_not_an_object_is_a_400(server: Any) -> None:
+    for function in ("guess", ["guess"], 3):
+        choice = {"type": "function", "function": function}
+        r = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "tools": TOOLS, "tool_choice": choice})
+        assert r.status_code == 400, r.text
+        assert "function: {name: ...}" in _error("chat", r) and r.json()["error"]["param"] == "tool_choice"
+    named = {"type": "function", "function": {"name": "guess"}}
+    assert _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "tools": TOOLS, "tool_choice": named}).is_success
+
+
+@pytest.mark.parametrize("role", [["user"], {"type": "user"}, 5])
+def test_a_message_role_that_is_not_a_string_is_a_400_naming_the_message(server: Any, role: Any) -> None:
+    messages = [{"role": "system", "content": "s"}, {"role": role, "content": "hi"}]
+    r = _post(server, "chat", {"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and "messages[1].role" in _error("chat", r), r.text
+    r = _post(server, "messages", {"messages": messages[1:], "max_tokens": 2})
+    assert r.status_code == 400 and "messages[0]" in _error("messages", r), r.text
+
+
+IMAGE_URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+ANTHROPIC_IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+MEDIA_CASES = [
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "what"}, IMAGE_URL]}]}, "[1]"),
+    ("chat", {"messages": [{"role": "user", "content": [AUDIO]}]}, "messages[0].content[0]"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}]}, "'file'"),
+    (
+        "responses",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
+        "input[0].content[0]",
+    ),
+    (
+        "responses",
+        {
+            "input": [
+                {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file", "file_id": "f"}]}
+            ]
+        },
+        "input[0].output[0]",
+    ),
+    ("messages", {"messages": [{"role": "user", "content": [ANTHROPIC_IMAGE]}]}, "messages[0].content[0]"),
+    (
+        "messages",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [ANTHROPIC_IMAGE]}]}
+            ]
+        },
+        "messages[0].content[0].content[0]",
+    ),
+]
+
+
+@pytest.mark.parametrize(("api", "body", "where"), MEDIA_CASES)
+def test_content_a_text_only_model_cannot_read_is_a_400_not_silently_dropped(
+    server: Any, api: str, body: dict[str, Any], where: str
+) -> None:
+    r = _post(server, api, {**body, "max_tokens": 2, "max_output_tokens": 2})
+    assert r.status_code == 400, r.text
+    message = _error(api, r)
+    assert where in message and "reads text only" in message
+
+
+def test_a_text_part_without_string_text_is_a_400(server: Any) -> None:
+    for text in (5, None, ["x"]):
+        messages = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+        r = _post(server, "chat", {"messages": messages, "max_tokens": 2})
+        assert r.status_code == 400 and "messages[0].content[0]" in _error("chat", r), r.text
+    blocks = [{"role": "user", "content": [{"type": "input_text", "text": {"a": 1}}]}]
+    r = _post(server, "responses", {"input": blocks, "max_output_tokens": 2})
+    assert r.status_code == 400 and "needs a string 'text'" in _error("responses", r), r.text
+    system = [{"type": "text", "text": 7}]
+    r = _post(server, "messages", {"messages": MSGS, "system": system, "max_tokens": 2})
+    assert r.status_code == 400 and "system[0]" in _error("messages", r), r.text
+
+
+def test_stream_options_without_stream_is_a_400_as_openai_answers_it(server: Any) -> None:
+    opts = {"include_usage": True}
+    r = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "stream_options": opts})
+    assert r.status_code == 400 and "only allowed when 'stream' is true" in _error("chat", r), r.text
+    legacy = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream_options": opts}, timeout=30
+    )
+    assert legacy.status_code == 400 and legacy.json()["error"]["param"] == "stream_options", legacy.text
+    streamed = _stream_events(
+        _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "stream": True, "stream_options": opts}).text
+    )
+    assert streamed[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_top_logprobs_without_logprobs_is_a_400(server: Any) -> None:
+    r = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "top_logprobs": 3})
+    assert r.status_code == 400 and "'top_logprobs' needs 'logprobs': true" in _error("chat", r), r.text
+    ok = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "top_logprobs": 3, "logprobs": True})
+    assert [len(e["top_logprobs"]) for e in ok.json()["choices"][0]["logprobs"]["content"]] == [3, 3]
