@@ -12,7 +12,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
 
@@ -39,13 +39,44 @@ def read_values(path: str | Path, *, what: str, table: str | None = None) -> dic
     return dict(data)
 
 
-def describe(exc: ValidationError, what: str) -> str:
-    """A one-line message naming each invalid field and why."""
+def describe(exc: ValidationError, what: str, cls: type[BaseModel] | None = None) -> str:
+    """A one-line message naming each invalid field, the value given and why; an unknown key is listed with
+    the keys its table takes (found through ``cls``, the model validated)."""
     parts = []
     for err in exc.errors():
-        where = ".".join(str(x) for x in err["loc"]) or "(config)"
-        parts.append(f"{where}: {err['msg']}")
+        loc = err["loc"]
+        where = ".".join(str(x) for x in loc)
+        msg = err["msg"].removeprefix("Value error, ")  # our own validators' messages name the value already
+        if err["type"] == "extra_forbidden":
+            known = _keys_at(cls, loc[:-1]) if cls is not None else []
+            msg = "unknown key" + (f"; the keys here are {', '.join(known)}" if known else "; check its spelling")
+        elif err["type"] != "value_error" and not isinstance(err.get("input"), dict | list):
+            msg += f" (got {shown(err.get('input'))})"
+        parts.append(f"{where}: {msg}" if where else msg)
     return f"invalid {what}: " + "; ".join(parts)
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """``value`` as an error message quotes it: its repr, cut to ``width`` characters."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _keys_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The field names of the (nested) model at ``loc`` inside ``cls``: [] where ``loc`` is not a model."""
+    model: Any = cls
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an item of a list of models
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        model = next((a for a in (field.annotation, *get_args(field.annotation)) if _is_model(a)), None)
+    return sorted(model.model_fields) if _is_model(model) else []
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
 def validate(cls: type[M], values: dict[str, Any], *, what: str) -> M:
@@ -53,7 +84,7 @@ def validate(cls: type[M], values: dict[str, Any], *, what: str) -> M:
     try:
         return cls.model_validate(values)
     except ValidationError as exc:
-        raise ConfigError(describe(exc, what)) from None
+        raise ConfigError(describe(exc, what, cls)) from None
 
 
 def write_config(model: BaseModel, path: str | Path) -> Path:

@@ -48,6 +48,7 @@ def run(
 
     cmd = [sys.executable, "-m", "flows.pipeline"]
     if resume:
+        _check_resume(resume, get_settings().runs_dir)
         cmd += ["--run-id", resume, "--resume"]
     else:  # validated once here, before anything starts; the flow reads the same model back
         cfg = load_config(config, iterations=iterations, backend=backend, mode=mode)
@@ -58,6 +59,17 @@ def run(
     if summary_out is not None:
         cmd += ["--summary-out", str(summary_out)]
     raise typer.Exit(subprocess.call(cmd, env=_flows_env()))
+
+
+def _check_resume(run_id: str, runs_dir: Path) -> None:
+    """``--resume`` names a run of this home by its id, checked before the flow starts: a path (``../x``)
+    would resume whatever state file it reached, a typo would fail only once Prefect was up."""
+    from clawpipe.errors import ConfigError
+    from clawpipe.pipeline.state import RunState
+
+    if not run_id or "/" in run_id or run_id in (".", "..") or not run_id.isprintable():
+        raise ConfigError(f"--resume {run_id!r} is not a run id; give one of the run ids under {runs_dir}")
+    RunState.load(runs_dir, run_id)  # names the known runs when there is no such run
 
 
 def deploy(

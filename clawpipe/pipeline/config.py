@@ -1,26 +1,34 @@
 """Run settings of one pipeline run: validated, loadable from TOML, overridable from the CLI, logged whole.
 
-An invalid config fails before anything starts, naming the field and what is allowed.
+An invalid config fails before anything starts, naming the field, the bad value and what is allowed. Values
+keep the type TOML gives them (``groups = "4"`` or ``groups = 2.0`` is refused, not converted), floats must
+be finite, and counts are bounded so that one iteration's rollouts fit in memory.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from clawpipe.configfile import describe, read_values, validate
+from clawpipe.configfile import describe, read_values, shown, validate
 from clawpipe.errors import ConfigError
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would let a trailing newline through
+# One iteration's rollouts (train and evaluation, over every harness) are planned in memory at once, a few KB
+# each: this bound turns a mistyped count (groups = 1000000000) into an error before anything starts.
+MAX_ROLLOUTS_PER_ITERATION = 100_000
+_WEEK_S = 7 * 24 * 3600.0
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class HarnessEntry(BaseModel):
     """One harness trained through in this run, with the task set it plays."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     name: str = Field(description="Harness folder name under harnesses/ (e.g. chat-loop).")
     task_set: str = Field(description="Task set the harness plays (e.g. guess, calc, fixit).")
@@ -34,18 +42,32 @@ class HarnessEntry(BaseModel):
         '{CLAWPIPE_CLI_MODE = "full"} for a real CLI harness).',
     )
 
+    @field_validator("name")
+    @classmethod
+    def _folder_name(cls, v: str) -> str:
+        # a name, not a path: the run's harnesses are the repository's, found the same way on every rollout host
+        if not _NAME.fullmatch(v) or v.endswith(".toml"):
+            raise ValueError(
+                f"{shown(v, 40)} is not a harness folder name; use the name of a folder under harnesses/ "
+                "(1-64 letters, digits, '.', '_' or '-', starting with a letter or digit; no paths)"
+            )
+        return v
+
     @field_validator("env")
     @classmethod
     def _check_env(cls, v: dict[str, str]) -> dict[str, str]:
         from clawpipe.sandbox.manifest import check_env
 
+        for k, value in v.items():
+            if "\0" in value:  # exec refuses it, so every rollout would fail at its start
+                raise ValueError(f"{k} holds a NUL character, which no process environment can carry; remove it")
         return check_env(v, "env")
 
 
 class PipelineConfig(BaseModel):
     """One pipeline run: rollout -> land -> reconstruct -> train -> publish, for N iterations."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     run_name: str = Field(default="default", description="Human name; the run_id adds a timestamp to it.")
     experiment: str = Field(default="clawpipe", description="MLflow experiment the run is logged to.")
@@ -83,7 +105,7 @@ class PipelineConfig(BaseModel):
         "trained; older calls are dropped and counted. The producer runs at most max(1, max_staleness) batches "
         "ahead of the trainer.",
     )
-    seed: int = Field(default=0, description="Seed of task sampling and the default policy.")
+    seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed of task sampling and the default policy.")
     backend: Literal["bwrap", "docker", "process"] = Field(default="bwrap", description="Sandbox backend.")
     concurrency: int = Field(default=8, ge=1, le=1024, description="Sandboxes running at once (global limit).")
     policy: str | None = Field(
@@ -92,7 +114,9 @@ class PipelineConfig(BaseModel):
     policy_size: Literal["tiny", "small"] = Field(default="tiny", description="Size of the default policy.")
     engine: Literal["local", "vllm"] = Field(default="local", description="Serving engine.")
     served_name: str = Field(default="clawpipe-policy", description="Model name harnesses ask for.")
-    rollout_timeout_s: float | None = Field(default=None, gt=0, description="Override of each manifest's timeout.")
+    rollout_timeout_s: float | None = Field(
+        default=None, gt=0, le=_WEEK_S, description="Override of each manifest's timeout."
+    )
     rollout_pool: str | None = Field(
         default=None,
         description="Prefect work pool to fan rollouts out to: each batch is split into shards of shard_size, each "
@@ -106,17 +130,22 @@ class PipelineConfig(BaseModel):
     )
     shard_size: int = Field(default=16, ge=1, le=100_000, description="Rollouts per shard (with rollout_pool).")
     shard_timeout_s: float = Field(
-        default=3600.0, gt=0, description="A shard not finished this long after submission is given up and rerun."
+        default=3600.0,
+        gt=0,
+        le=_WEEK_S,
+        description="A shard not finished this long after submission is given up and rerun.",
     )
     shard_start_s: float = Field(
         default=300.0,
         ge=5,
+        le=_WEEK_S,
         description="A shard taken by a worker whose heartbeat has not appeared this long after (its worker died "
         "while starting it) is given up and rerun.",
     )
     shard_stall_s: float = Field(
         default=60.0,
         ge=5,
+        le=_WEEK_S,
         description="A running shard whose heartbeat (in the lake, every quarter of this) stops this long is taken "
         "for dead (its worker killed) and its rollouts rerun elsewhere under new ids.",
     )
@@ -134,18 +163,45 @@ class PipelineConfig(BaseModel):
     @field_validator("run_name", "experiment", "served_name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        if not _NAME.fullmatch(v):
+            raise ValueError(
+                f"{shown(v, 40)}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return v
+
+    @field_validator("train")
+    @classmethod
+    def _finite_train(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for k, value in v.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{k} = {value} is not a finite number; give a finite one")
         return v
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
-        names = [(h.name, h.task_set) for h in self.harnesses]
-        if len(set(names)) != len(names):
-            raise ValueError("harnesses: each (name, task_set) pair may appear once")
+        seen: set[tuple[str, str]] = set()
+        for h in self.harnesses:
+            if (h.name, h.task_set) in seen:
+                raise ValueError(
+                    f"harnesses: {h.name} with task set {h.task_set} appears twice; list each (name, task_set) pair "
+                    "once, with one groups, weight and env"
+                )
+            seen.add((h.name, h.task_set))
         if self.samples < 2:
             raise ValueError("samples: GRPO needs at least 2 rollouts per group to compare")
+        planned = self.rollouts_per_iteration()
+        if planned > MAX_ROLLOUTS_PER_ITERATION:
+            raise ValueError(
+                f"groups x samples (+ eval_tasks x (1 + eval_samples)) over {len(self.harnesses)} harness(es) plans "
+                f"{planned:,} rollouts per iteration, over the {MAX_ROLLOUTS_PER_ITERATION:,} one iteration may "
+                "hold; lower groups, samples, eval_tasks or eval_samples, or spread them over more iterations"
+            )
         return self
+
+    def rollouts_per_iteration(self) -> int:
+        """Rollouts of one iteration that evaluates: every harness's groups x samples plus its held-out tasks."""
+        train = sum((h.groups or self.groups) * self.samples for h in self.harnesses)
+        return train + len(self.harnesses) * self.eval_tasks * (1 + self.eval_samples)
 
     def train_config(self) -> Any:
         """The trainer's validated config (imports clawpipe.train.config: pydantic only, no torch)."""
@@ -160,8 +216,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> PipelineCon
     source = str(path) if path is not None else "defaults"
     data.update({k: v for k, v in overrides.items() if v is not None})
     cfg = validate(PipelineConfig, data, what=f"pipeline config ({source})")
+    from clawpipe.train.config import TrainConfig
+
     try:
         cfg.train_config()
     except ValidationError as exc:
-        raise ConfigError(describe(exc, f"pipeline config ({source}, table train)")) from None
+        raise ConfigError(describe(exc, f"pipeline config ({source}, table train)", TrainConfig)) from None
     return cfg
