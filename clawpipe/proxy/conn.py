@@ -16,7 +16,7 @@ from clawpipe.proxy import wire
 from clawpipe.proxy.call import Call
 from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.framing import MAX_HEAD, ChunkedBody, Head, parse_request_head
-from clawpipe.proxy.limits import BodyBudget
+from clawpipe.proxy.limits import MIN_BODY_RATE, BodyBudget
 from clawpipe.proxy.wire import BadRequest
 
 
@@ -63,6 +63,7 @@ class ClientConn(asyncio.Protocol):
         self.call: Call | None = None
         self.phase = HEAD
         self.since = 0.0  # loop time the phase started (BODY: the last body bytes)
+        self._body_since = 0.0  # loop time the current body started
         self._head: Head | None = None
         self._parts: list[bytes] = []  # Content-Length body so far
         self._have = 0
@@ -154,11 +155,25 @@ class ClientConn(asyncio.Protocol):
                 return True
         elif self.phase in (HEAD, BODY) and now - self.since > cfg.header_timeout_s:
             what = "request head" if self.phase == HEAD else "rest of the request body"
-            msg = f"the {what} did not arrive within {cfg.header_timeout_s:g} s"
-            self.write(wire.error_response(408, msg, anthropic=None, keep_alive=False))
-            self.close()
+            self._time_out(f"the {what} did not arrive within {cfg.header_timeout_s:g} s")
+            return True
+        elif self.phase == BODY and now - self._body_since > cfg.header_timeout_s + self._received() / MIN_BODY_RATE:
+            # a body trickled in without ever pausing long would hold its connection and buffer forever
+            rate = MIN_BODY_RATE / (1 << 20)
+            self._time_out(
+                f"the request body arrived slower than {rate:g} MiB/s on average after its first "
+                f"{cfg.header_timeout_s:g} s: send it at once"
+            )
             return True
         return False
+
+    def _time_out(self, message: str) -> None:
+        self.write(wire.error_response(408, message, anthropic=None, keep_alive=False))
+        self.close()
+
+    def _received(self) -> int:
+        """Body bytes of the current request received so far."""
+        return self._chunks.size if self._chunks is not None else self._have
 
     # --- parsing -------------------------------------------------------------------------------------
     def _parse(self, data: bytes | None) -> None:
@@ -209,10 +224,11 @@ class ClientConn(asyncio.Protocol):
         pos = end + 4
         cfg = self.proxy.config
         self.phase, self.since = BODY, self.proxy.now()
+        self._body_since = self.since
         if head.length > cfg.max_body_bytes:
             self._refuse(head, 413, head.length, max(0, head.length - (len(src) - pos)))
             return -1
-        if head.length > 0 and not self._hold(head.length):
+        if head.length > 0 and not self.proxy.body_budget.fits(head.length):  # refused before it is sent
             self._refuse(head, 503, None, max(0, head.length - (len(src) - pos)))
             return -1
         self._head = head
@@ -234,6 +250,10 @@ class ClientConn(asyncio.Protocol):
         n = len(src)
         if chunks is None:
             take = min(head.length - self._have, n - pos)
+            # the budget is taken as bytes arrive, not as declared: a length alone never holds any of it
+            if take and not self._hold(take):
+                self._refuse(head, 503, None, max(0, head.length - self._have - (n - pos)))
+                return n
             if take:
                 self._parts.append(src if take == n and type(src) is bytes else bytes(src[pos : pos + take]))
                 self._have += take

@@ -178,6 +178,37 @@ def test_a_chunked_body_over_the_budget_is_a_captured_503(make_proxy: Any, upstr
     assert small.status_code == 200
 
 
+def test_a_trickled_body_holds_no_budget_and_is_cut_below_the_minimum_rate(make_proxy: Any, upstream) -> None:
+    """A client (no key needed) declares a body as large as the whole body budget and sends it 10 bytes every
+    0.2 s, never pausing as long as the header timeout: a declared length reserves nothing, so real calls go
+    through meanwhile, and it gets a 408 once it falls below the minimum average rate."""
+    proxy = make_proxy([upstream.url], header_timeout_s=1.0, max_buffered_bytes=1 << 20, max_body_bytes=1 << 20)
+    stop = threading.Event()
+
+    def trickle(s: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                s.sendall(b"x" * 10)
+                time.sleep(0.2)
+
+    with socket.create_connection(_addr(proxy), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (1 << 20))
+        t0 = time.monotonic()
+        sender = threading.Thread(target=trickle, args=(s,))
+        sender.start()
+        try:
+            time.sleep(0.3)
+            assert _call(proxy, "real").status_code == 200
+            out = _read_all(s)
+        finally:
+            stop.set()
+            sender.join()
+    assert out.startswith(b"HTTP/1.1 408") and b"slower than 1 MiB/s" in out, out[:200]
+    assert time.monotonic() - t0 < 4
+    assert [r.header["rollout_id"] for r in proxy.records()] == ["real"]
+    _wait(lambda: proxy.server.body_budget.used == 0, 5, "budget not given back")
+
+
 def test_a_response_over_the_limit_ends_the_call_as_a_captured_error(make_proxy: Any, upstream) -> None:
     proxy = make_proxy([upstream.url], max_response_bytes=20_000)
     big = "y" * 50_000
