@@ -179,7 +179,10 @@ def register(app: typer.Typer) -> None:
             if "=" not in p:
                 raise typer.BadParameter(f"--param {p!r}: expected k=v")
             k, v = p.split("=", 1)
-            params[k.strip().lstrip("$")] = v
+            k = k.strip().lstrip("$")
+            if k in params:
+                raise typer.BadParameter(f"--param {k} is given twice ({params[k]!r} and {v!r}); give it once")
+            params[k] = v
         try:
             if saved is not None:
                 table = run_saved(_lake_root(lake), saved, params)

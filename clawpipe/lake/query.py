@@ -10,6 +10,7 @@ extensions are neither loaded nor installed, and the configuration is locked.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from clawpipe import sqlfiles, tables
+from clawpipe import schemas, sqlfiles, tables
 from clawpipe.errors import LakeError
 
 _RETRIES = 3
@@ -124,6 +125,60 @@ def coerce_param(value: str) -> Any:
     return value
 
 
+def _column_types() -> dict[str, pa.DataType]:
+    """Each lake column's type by name (the first table's where two tables share a name)."""
+    types: dict[str, pa.DataType] = {}
+    for schema in schemas.TABLES.values():
+        for field in schema:
+            types.setdefault(field.name, field.type)
+    return types
+
+
+_COLUMN_TYPES = _column_types()
+
+
+def typed_param(query: str, name: str, value: Any) -> Any:
+    """A saved query's parameter as the lake column of its name holds it: a run id that reads ``42`` stays text
+    (compared as a number it would fail on every other run id), ``iteration=abc`` is an error naming the
+    parameter. Parameters named after no column are guessed by :func:`coerce_param`; ``null`` is NULL."""
+    if value is None or (isinstance(value, str) and value.lower() == "null"):
+        return None
+    kind = _COLUMN_TYPES.get(name)
+    if kind is None:
+        return coerce_param(value) if isinstance(value, str) else value
+    if pa.types.is_string(kind):
+        return str(value)
+    parsed = _parse(kind, str(value).strip())
+    if parsed is None:
+        word, example = (
+            ("true or false", "true")
+            if pa.types.is_boolean(kind)
+            else ("a finite number", "0.5")
+            if pa.types.is_floating(kind)
+            else ("a whole number", "3")
+        )
+        raise LakeError(
+            f"saved query {query}: {name}={value!r} is not {word} (the {name} column holds {kind}); "
+            f"give e.g. --param {name}={example}, or {name}=null for no filter"
+        )
+    return parsed
+
+
+def _parse(kind: pa.DataType, text: str) -> Any:
+    """``text`` as a value of ``kind``; None when it is not one."""
+    if pa.types.is_integer(kind):
+        return int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None
+    if pa.types.is_floating(kind):
+        try:
+            number = float(text)
+        except ValueError:
+            return None
+        return number if math.isfinite(number) else None
+    if pa.types.is_boolean(kind):
+        return {"true": True, "false": False}.get(text.lower())
+    return text  # timestamps and the like: DuckDB casts the text
+
+
 def saved_names() -> list[str]:
     return sqlfiles.sql_names("analytics")
 
@@ -137,9 +192,11 @@ def run_saved(lake_root: str | os.PathLike[str], name: str, params: dict[str, An
     given = dict(params or {})
     unknown = sorted(set(given) - set(wanted))
     if unknown:
-        raise LakeError(f"saved query {name} takes {', '.join(wanted) or 'no parameters'}; unknown: {unknown}")
-    values = {k: (coerce_param(v) if isinstance(v, str) else v) for k, v in given.items()}
-    return run_sql(lake_root, sql, {k: values.get(k) for k in wanted})
+        raise LakeError(
+            f"saved query {name} takes {', '.join(wanted) or 'no parameters'}; unknown: {unknown} "
+            "(`clawpipe lake saved` lists each query's parameters)"
+        )
+    return run_sql(lake_root, sql, {k: typed_param(name, k, given.get(k)) for k in wanted})
 
 
 def run_audits(lake_root: str | os.PathLike[str]) -> dict[str, pa.Table]:
