@@ -53,7 +53,7 @@ async def handle_admin(proxy: AdminTarget, conn: ClientConn, req: wire.Request) 
         args = json.loads(req.body) if req.body.strip() else {}
         if not isinstance(args, dict):
             raise ValueError("body must be a JSON object")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         conn.write(wire.error_response(400, f"admin body is not a JSON object: {exc}", anthropic=False))
         conn.finish(keep)
         return

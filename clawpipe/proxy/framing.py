@@ -111,6 +111,7 @@ def parse_request_head(head: bytes) -> Head:
     if b"\t" in parts[1]:  # forwarded as is: a tab splits the request line for parsers that split on whitespace
         raise BadRequest(400, "a tab in the request target: percent-encode it (%09)")
     headers, lengths, codings = _fields(lines[1:], "request")
+    target = _origin_form(parts[1].decode())
     version = parts[2]
     if codings:
         if lengths:
@@ -134,7 +135,19 @@ def parse_request_head(head: bytes) -> Head:
         raise BadRequest(400, f"conflicting Content-Length values {sorted(lengths)}: send one")
     else:
         length = lengths.pop() if lengths else 0
-    return Head(parts[0].decode(), parts[1].decode(), version, headers, length)
+    return Head(parts[0].decode(), target, version, headers, length)
+
+
+def _origin_form(target: str) -> str:
+    """The path and query of an absolute-form target (``http://host/path?q``, which RFC 9112 has servers
+    accept, as clients configured to use the proxy as a forward proxy send); any other target as it is.
+    The host named is ignored: calls only ever go to the proxy's own upstreams."""
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return target
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    path = rest[cut:]
+    return path if path.startswith("/") else "/" + path
 
 
 @dataclass(slots=True)

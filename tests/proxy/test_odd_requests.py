@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.proxy.conftest import ProxyHandle, key_for
+from tests.proxy.conftest import ADMIN, ProxyHandle, key_for
 from tests.proxy.test_framing import CHAT, _assert_refused, _exchange, _head, _smuggled
 from tests.support.upstream import ScriptedUpstream
 
@@ -116,3 +116,28 @@ def test_a_stream_flag_that_is_not_a_boolean_is_a_captured_400(proxy: ProxyHandl
     assert rec.header["http_status"] == 400 and rec.header["stream"] is False
     plain = b'{"model": "m", "stream": null, "messages": [{"role": "user", "content": "x"}]}'
     assert httpx.post(f"{proxy.openai_base('null')}/chat/completions", content=plain, timeout=10).status_code == 200
+
+
+def test_an_absolute_form_target_is_served_from_the_configured_upstream(proxy: ProxyHandle, upstream):
+    """RFC 9112 has servers accept ``POST http://host/path``, which clients configured to use the proxy as
+    a forward proxy send: the path is served as usual, and the host it names is never contacted."""
+    target = f"http://evil.invalid:81/r/{key_for('absolute')}/v1/chat/completions?x=1"
+    data = _head("absolute", f"content-length: {len(CHAT)}", "connection: close").replace(
+        f"/r/{key_for('absolute')}/v1/chat/completions".encode(), target.encode(), 1
+    )
+    out = _exchange(proxy, data + CHAT)
+    assert out.startswith(b"HTTP/1.1 200"), out[:200]
+    (seen,) = upstream.requests
+    assert seen.path == "/v1/chat/completions" and seen.query == "x=1"
+    assert seen.headers["host"] == upstream.url.removeprefix("http://")
+    (rec,) = proxy.records()
+    assert rec.header["rollout_id"] == "absolute" and rec.header["path"] == "/v1/chat/completions"
+    assert rec.header["query"] == "x=1"
+
+
+@pytest.mark.parametrize("path", ["/admin/pause", "/admin/replicas/drain"])
+def test_a_deeply_nested_admin_body_is_400(proxy: ProxyHandle, path: str):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.post(f"{proxy.url}{path}", content=deep, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+    assert not proxy.server.paused
