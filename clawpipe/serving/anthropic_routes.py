@@ -25,7 +25,7 @@ class MessagesRoutes(Routes):
         model = self.model_name(body)
         messages, tools = convert.anthropic_messages(body)
         tools = convert.apply_tool_choice(body, tools, "anthropic")
-        prompt = self.render(messages, tools)
+        prompt = await self.render(messages, tools)
         params = self.build_params(
             body,
             prompt,
@@ -172,4 +172,4 @@ class MessagesRoutes(Routes):
         self.model_name(body)
         messages, tools = convert.anthropic_messages(body)
         tools = convert.apply_tool_choice(body, tools, "anthropic")
-        return JSONResponse({"input_tokens": len(self.render(messages, tools))})
+        return JSONResponse({"input_tokens": len(await self.render(messages, tools))})

@@ -28,7 +28,7 @@ class CompletionsRoutes(Routes):
 
     async def completions(self, body: dict[str, Any]) -> Response:
         model = self.model_name(body)
-        prompts = self._completion_prompts(body.get("prompt"))
+        prompts = await asyncio.to_thread(self._completion_prompts, body.get("prompt"))  # see Routes.render
         n = convert.int_field(body, "n")
         logprobs = body.get("logprobs")  # legacy: the number of top alternatives (0-5); false/null: none
         if logprobs is not None and not isinstance(logprobs, bool | int):

@@ -32,7 +32,7 @@ class ResponsesRoutes(Routes):
             items = [*self.responses_store.context(body["previous_response_id"]), *items]
         messages, tools = convert.responses_messages({**body, "input": items})
         tools = convert.apply_tool_choice(body, tools, "responses")
-        prompt = self.render(messages, tools)
+        prompt = await self.render(messages, tools)
         params = self.build_params(body, prompt, convert.int_field(body, "max_output_tokens"), [])
         skeleton = {
             "id": f"resp_{new_id('', 12)}",

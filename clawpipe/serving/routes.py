@@ -3,6 +3,7 @@ streaming), SSE framing, error bodies, and the steps every API takes (render, ma
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import hmac
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ from clawpipe.serving.response_store import ResponseStore
 from clawpipe.serving.splice import REQUEST_ROLLOUT, Prompt, TurnMemory, render_spliced
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
 
+MAX_REQUEST_BYTES = 32 * 2**20  # Anthropic's own limit; tokenizing a body costs ~80x its size in memory
+
 
 @dataclass
 class ServeOptions:
@@ -36,6 +39,7 @@ class ServeOptions:
     splice: bool = True  # carry the sampled ids of a rollout's earlier turns into its next prompts
     splice_rollouts: int = 256  # rollouts whose completions are kept for that (least recently used dropped)
     splice_tokens: int = 131072  # sampled ids kept per rollout (oldest completions dropped)
+    max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies get a 413 before they are read whole
 
 
 MAX_POLICY_VERSION = 2**31 - 1  # the lake's policy_version column is a 32-bit integer
@@ -218,7 +222,12 @@ class Routes:
             )
         return str(name)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
+    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
+        """The prompt ids of chat messages, rendered off the event loop: tokenizing a long conversation takes
+        about a second per megabyte, and every other request's stream would stall behind it."""
+        return await asyncio.to_thread(self._render, messages, tools)  # the thread runs in this context (rollout)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
         """The prompt ids of chat messages; assistant turns this engine generated for the request's rollout, as
         they were answered, carry the ids it sampled for them (see clawpipe.serving.splice)."""
         template_tools: Any = tools or None
@@ -309,9 +318,9 @@ class Routes:
                 "admin token missing or wrong: send Authorization: Bearer <admin token>", 401, "auth_error"
             )
         try:
-            body = await json_body(request)
+            body = await json_body(request, self.options.max_request_bytes)
         except RequestError as exc:
-            return openai_error(str(exc))
+            return openai_error(str(exc), exc.status)
         version = body.get("policy_version")
         if version is not None and (
             isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_POLICY_VERSION
@@ -337,14 +346,38 @@ async def _ending_in_error(gen: AsyncIterator[bytes], anthropic: bool) -> AsyncI
         yield sse(error_body(str(exc), "api_error", anthropic), "error" if anthropic else None)
 
 
-async def json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request, max_bytes: int = MAX_REQUEST_BYTES) -> dict[str, Any]:
     """The request's JSON object, or RequestError saying why not (orjson: strict UTF-8, no lone surrogates,
-    nesting bounded)."""
+    nesting bounded); a body over max_bytes is refused (413) as soon as its length says so, unread."""
     try:
-        body = orjson.loads(await request.body() or b"{}")
+        body = orjson.loads(await _body(request, max_bytes) or b"{}")
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     convert.check_common(body)
     return body
+
+
+async def _body(request: Request, max_bytes: int) -> bytes:
+    """The body's bytes, read up to max_bytes: a declared or actual length past it raises a 413 RequestError."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # chunked bodies declare no length: count as they come
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> RequestError:
+    return RequestError(
+        f"the request body is over this server's limit of {max_bytes} bytes; send a shorter conversation "
+        "(the operator sets the limit with --max-request-mb)",
+        status=413,
+        code="request_too_large",
+    )

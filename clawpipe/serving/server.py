@@ -38,6 +38,7 @@ from clawpipe.serving.engine import PREFILL_CHUNK, Engine, RequestError, Shuttin
 from clawpipe.serving.openai_routes import ChatRoutes
 from clawpipe.serving.responses_routes import ResponsesRoutes
 from clawpipe.serving.routes import (
+    MAX_REQUEST_BYTES,
     ServeOptions,
     anthropic_error,
     default_reload_roots,
@@ -66,7 +67,8 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
             # the proxy names the call's rollout; the handler's task copies this context when it is created
             REQUEST_ROLLOUT.set(request.headers.get(ROLLOUT_HEADER) or None)
             try:
-                return await _unless_disconnected(request, asyncio.ensure_future(handler(await json_body(request))))
+                body = await json_body(request, routes.options.max_request_bytes)
+                return await _unless_disconnected(request, asyncio.ensure_future(handler(body)))
             except RequestError as exc:
                 return error(str(exc), exc.status, param=exc.param, code=exc.code)
             except ShuttingDown as exc:
@@ -221,9 +223,11 @@ def _open_engine(
 ) -> tuple[Engine, ServeOptions, socket.socket]:
     """The engine, the route options (admin token resolved) and a socket bound to host:port, for one server.
 
-    kwargs: Engine options plus ServeOptions (admin_token, default_max_tokens, max_tokens_cap, splice).
+    kwargs: Engine options plus ServeOptions (admin_token, default_max_tokens, max_tokens_cap, splice,
+    max_request_mb).
     """
     engine_kwargs = dict(kwargs)
+    request_mb = engine_kwargs.pop("max_request_mb", None)
     opts = ServeOptions(
         admin_token=_admin_token(engine_kwargs.pop("admin_token", None)),
         default_max_tokens=engine_kwargs.pop("default_max_tokens", 256),
@@ -231,6 +235,7 @@ def _open_engine(
         reload_roots=_reload_roots(engine_kwargs.pop("reload_roots", None)),
         responses_kept=engine_kwargs.pop("responses_kept", 1024),
         splice=engine_kwargs.pop("splice", True),
+        max_request_bytes=int(request_mb * 2**20) if request_mb else MAX_REQUEST_BYTES,
     )
     engine = Engine(model_dir, **engine_kwargs)
     return engine, opts, listen_socket(host, port)
@@ -261,7 +266,7 @@ def start_server(model_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1
     """Start engine + HTTP server in this process on a background thread; returns when it accepts requests.
 
     kwargs: Engine options (device, max_batch, kv_budget_tokens, policy_version, served_name, ...) and
-    ServeOptions (admin_token, default_max_tokens, max_tokens_cap).
+    ServeOptions (admin_token, default_max_tokens, max_tokens_cap, max_request_mb).
     """
     engine, opts, sock = _open_engine(model_dir, host, port, kwargs)
     config = uvicorn.Config(create_app(engine, opts), log_level="warning", lifespan="off", access_log=False)
@@ -359,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=256)
     p.add_argument("--prefill-chunk-tokens", type=int, default=PREFILL_CHUNK)
     p.add_argument("--max-prompt-tokens", type=int)
+    p.add_argument("--max-request-mb", type=float, help="refuse request bodies over this size (413); default 32")
     p.add_argument("--reload-root", action="append", dest="reload_roots")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -378,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix_cache_mb=a.prefix_cache_mb,
         prefill_chunk_tokens=a.prefill_chunk_tokens,
         max_prompt_tokens=a.max_prompt_tokens,
+        max_request_mb=a.max_request_mb,
         reload_roots=a.reload_roots,
     )
 

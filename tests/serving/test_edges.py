@@ -4,7 +4,12 @@ in the API's own error shape naming the field, never a 500, and the engine keeps
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -164,3 +169,74 @@ def test_top_logprobs_without_logprobs_is_a_400(server: Any) -> None:
     assert r.status_code == 400 and "'top_logprobs' needs 'logprobs': true" in _error("chat", r), r.text
     ok = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "top_logprobs": 3, "logprobs": True})
     assert [len(e["top_logprobs"]) for e in ok.json()["choices"][0]["logprobs"]["content"]] == [3, 3]
+
+
+@pytest.fixture(scope="module")
+def small_body_server(policy_dir: Path) -> Iterator[Any]:
+    """An engine that takes request bodies up to 64 KiB."""
+    from clawpipe.serving.server import start_server
+
+    handle = start_server(policy_dir, device="cpu", served_name="tiny", max_model_len=4096, max_request_mb=1 / 16)
+    yield handle
+    handle.stop()
+
+
+def test_a_body_over_the_size_limit_is_a_413_in_each_apis_shape_before_it_is_read(small_body_server: Any) -> None:
+    from clawpipe.serving.routes import MAX_REQUEST_BYTES, ServeOptions
+
+    assert ServeOptions().max_request_bytes == MAX_REQUEST_BYTES == 32 * 2**20
+    url = small_body_server.url
+    huge = [{"role": "user", "content": "word " * 20_000}]  # 100 kB: a context overflow, were it read
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": huge}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert "limit of 65536 bytes" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/messages", json={"messages": huge, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is counted as the body arrives
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(20):
+            yield b"word " * 1000
+        yield b'"}]}'
+
+    r = httpx.post(f"{url}/v1/chat/completions", content=chunks(), timeout=30)
+    assert r.status_code == 413 and "over this server's limit" in r.json()["error"]["message"], r.text
+    ok = httpx.post(f"{url}/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+@pytest.mark.slow
+def test_a_long_prompt_being_tokenized_does_not_stall_other_streams(server: Any) -> None:
+    """Rendering a 2 MB conversation takes seconds; the other requests' tokens keep flowing meanwhile."""
+
+    async def run() -> tuple[float, float]:
+        arrivals: list[float] = []
+        window: list[float] = []
+        async with httpx.AsyncClient(timeout=120) as c:
+
+            async def stream() -> None:
+                body = {"model": "tiny", "messages": MSGS, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            arrivals.append(time.monotonic())
+                        if len(window) == 2:
+                            return
+
+            async def long_prompt() -> None:
+                while len(arrivals) < 5:
+                    await asyncio.sleep(0.01)
+                window.append(time.monotonic())
+                body = {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 700_000}]}
+                r = await c.post(f"{server.url}/v1/chat/completions", json=body)
+                window.append(time.monotonic())
+                assert r.status_code == 400 and "context overflow" in r.json()["error"]["message"], r.text
+
+            await asyncio.gather(stream(), long_prompt())
+        start, end = window
+        during = [start, *(t for t in arrivals if start < t < end), end]
+        return end - start, max(b - a for a, b in itertools.pairwise(during))
+
+    took, longest_gap = asyncio.run(run())
+    assert took > 0.5, f"the long prompt took only {took:.2f}s: too short to show a stall"
+    assert longest_gap < took / 3, f"streams stalled {longest_gap:.2f}s of the {took:.2f}s the long prompt took"
