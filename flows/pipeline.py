@@ -28,6 +28,7 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 from prefect.cache_policies import INPUTS, TASK_SOURCE  # noqa: E402
 from prefect.runtime import flow_run, task_run  # noqa: E402
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
 from clawpipe.pipeline import fanout, report, stages  # noqa: E402
 from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
@@ -199,7 +200,11 @@ def pipeline(cfg: PipelineConfig | None = None, run_id: str | None = None, resum
     state = stages.open_run(settings, cfg, run_id=run_id, resume=resume, git_revision=_git_revision())
     cfg = PipelineConfig.model_validate(state.config)
     t0 = time.perf_counter()
-    with PeakMemory() as memory, stages.run_services(cfg, settings, state) as services:
+    # The subflows below run in this flow's process, whose own run heartbeats. Without heartbeats of their
+    # own they end at once: Prefect's heartbeat thread sleeps in whole seconds and every sync flow run waits
+    # for it at its end (~1 s per iteration, train step and evaluation subflow).
+    quiet_subflows = temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+    with quiet_subflows, PeakMemory() as memory, stages.run_services(cfg, settings, state) as services:
         if cfg.mode == "async":
             from flows.async_loop import run_async
 
