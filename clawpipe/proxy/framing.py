@@ -202,14 +202,15 @@ class ChunkedBody:
     """Incremental decoder of one chunked request body.
 
     :meth:`feed` takes the connection's unconsumed bytes and returns how many it consumed; chunk data is kept
-    in ``parts`` (``size`` bytes so far), ``done`` is set after the last chunk and the trailer section.
+    in ``received`` (``size`` bytes so far: one buffer, so tiny chunks cost no object each), ``done`` is set after
+    the last chunk and the trailer section.
     """
 
-    __slots__ = ("_pending", "_searched", "_state", "_trailer", "done", "limit", "parts", "scanned", "size")
+    __slots__ = ("_pending", "_searched", "_state", "_trailer", "done", "limit", "received", "scanned", "size")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.parts: list[bytes] = []
+        self.received = bytearray()
         self.size = 0
         self.scanned = 0  # bytes examined, for the linear-work check
         self.done = False
@@ -219,7 +220,7 @@ class ChunkedBody:
         self._searched = 0  # bytes of an incomplete line already searched for its CRLF
 
     def body(self) -> bytes:
-        return b"".join(self.parts)
+        return bytes(self.received)
 
     def feed(self, data: bytes | bytearray, pos: int = 0) -> int:
         """Consume what can be consumed of ``data`` from ``pos`` on (what the last call left unconsumed comes
@@ -229,7 +230,7 @@ class ChunkedBody:
             state = self._state
             if state == _DATA:
                 take = min(self._pending, n - pos)
-                self.parts.append(bytes(data[pos : pos + take]))
+                self.received += memoryview(data)[pos : pos + take]
                 self.scanned += take
                 pos += take
                 self._pending -= take

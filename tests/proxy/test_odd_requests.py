@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
+import tracemalloc
 
 import httpx
 import pytest
@@ -141,3 +142,21 @@ def test_a_deeply_nested_admin_body_is_400(proxy: ProxyHandle, path: str):
     r = httpx.post(f"{proxy.url}{path}", content=deep, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
     assert not proxy.server.paused
+
+
+def test_a_body_of_one_byte_chunks_costs_memory_in_proportion_to_its_size(proxy: ProxyHandle, upstream):
+    """100,000 chunks of one byte each: the proxy holds the body, not an object per chunk (a budget of N
+    bytes must not become 100 N bytes of memory). The body is not JSON, so only the proxy handles it."""
+    content = b"x" * 100_000
+    body = b"1\r\nx\r\n" * len(content) + b"0\r\n\r\n"
+    data = _head("tiny-chunks", "transfer-encoding: chunked", "connection: close") + body
+    tracemalloc.start()
+    try:
+        out = _exchange(proxy, data, timeout=60)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.startswith(b"HTTP/1.1 400") and b"not valid JSON" in out, out[:200]
+    (rec,) = proxy.records()
+    assert rec.request == content and upstream.requests == []
+    assert peak < 10 * len(content), f"peak {peak >> 20} MiB for a {len(content) >> 10} KiB body"
