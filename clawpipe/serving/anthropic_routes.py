@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from clawpipe.serving import convert
-from clawpipe.serving.params import SamplingParams
+from clawpipe.serving.params import RequestError, SamplingParams
 from clawpipe.serving.routes import Choice, Routes, sse
 from clawpipe.serving.splice import Prompt
 from clawpipe.serving.text import new_id
@@ -23,6 +23,9 @@ class MessagesRoutes(Routes):
 
     async def messages(self, body: dict[str, Any]) -> Response:
         model = self.model_name(body)
+        if body.get("max_tokens") is None:
+            # required by the Messages API (and its SDKs): a client relying on a default here would break there
+            raise RequestError("max_tokens: Field required; send the most tokens to generate, e.g. 1024")
         messages, tools = convert.anthropic_messages(body)
         tools = convert.apply_tool_choice(body, tools, "anthropic")
         prompt = await self.render(messages, tools)

@@ -240,3 +240,11 @@ def test_a_long_prompt_being_tokenized_does_not_stall_other_streams(server: Any)
     took, longest_gap = asyncio.run(run())
     assert took > 0.5, f"the long prompt took only {took:.2f}s: too short to show a stall"
     assert longest_gap < took / 3, f"streams stalled {longest_gap:.2f}s of the {took:.2f}s the long prompt took"
+
+
+def test_an_anthropic_message_without_max_tokens_is_a_400_as_the_messages_api_answers_it(server: Any) -> None:
+    for body in ({"messages": MSGS}, {"messages": MSGS, "max_tokens": None, "stream": True}):
+        r = _post(server, "messages", body)
+        assert r.status_code == 400 and _error("messages", r).startswith("max_tokens: Field required"), r.text
+    counted = httpx.post(f"{server.url}/v1/messages/count_tokens", json={"model": "tiny", "messages": MSGS})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0  # counting needs no max_tokens
