@@ -3,13 +3,15 @@
 The proxy reads the body to add the token-id fields (:mod:`~clawpipe.proxy.routes`) and to know whether the
 answer streams, so it must read it exactly as the upstream and the lake will: UTF-8 without a byte order
 mark (``json.loads`` on bytes would also take UTF-16/32, which the field splice would corrupt, and encoded
-surrogates), no ``NaN``/``Infinity`` (not JSON; the lake's parser refuses them), and a ``stream`` that is a
-boolean (an upstream that coerces ``1`` or ``"true"`` would stream an answer the proxy takes for a whole one).
+surrogates), no ``NaN``/``Infinity`` and no number too large for a double (not JSON, or read as infinity,
+which the field splice would write back as ``Infinity``; the lake's parser refuses both), and a ``stream`` that
+is a boolean (an upstream that coerces ``1`` or ``"true"`` would stream an answer the proxy takes for a whole one).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from clawpipe.proxy.wire import BadRequest
@@ -21,6 +23,13 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON value: send a number or null")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} is out of range for a double")
+    return value
+
+
 def parse_body(body: bytes) -> dict[str, Any]:
     """The body's JSON object; raises :class:`BadRequest` (400) saying what is wrong and what to send."""
     if body.startswith(_BOM):
@@ -30,7 +39,7 @@ def parse_body(body: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise BadRequest(400, f"request body is not UTF-8 (byte {exc.start}): send the JSON encoded as UTF-8") from exc
     try:
-        obj = json.loads(text, parse_constant=_no_constant)
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):

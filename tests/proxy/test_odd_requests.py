@@ -92,8 +92,9 @@ _TEXT = '{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
         (b'{"model": "m", "temperature": NaN, "messages": []}', "NaN is not a JSON value"),
         (b'{"model": "m", "max_tokens": Infinity, "messages": []}', "Infinity is not a JSON value"),
         (b'{"model": "m", "temperature": -Infinity, "logprobs": false, "messages": []}', "-Infinity"),
+        (b'{"model": "m", "temperature": 1e999, "logprobs": false, "messages": []}', "1e999 is out of range"),
     ],
-    ids=["bom", "utf16le", "utf16", "utf32", "surrogate", "nan", "infinity", "minus-infinity"],
+    ids=["bom", "utf16le", "utf16", "utf32", "surrogate", "nan", "infinity", "minus-infinity", "overflow"],
 )
 def test_a_body_that_is_not_utf8_json_is_a_captured_400(
     proxy: ProxyHandle, upstream: ScriptedUpstream, body: bytes, says: str
