@@ -1,4 +1,5 @@
-"""The checks a model call's JSON body passes before it is forwarded (RFC 8259 JSON, one object).
+"""The checks a model call's JSON body passes before it is forwarded (RFC 8259 JSON, one object, sent
+without a content coding: the proxy forwards no Content-Encoding and reads the body itself).
 
 The proxy reads the body to add the token-id fields (:mod:`~clawpipe.proxy.routes`) and to know whether the
 answer streams, so it must read it exactly as the upstream and the lake will: UTF-8 without a byte order
@@ -30,8 +31,13 @@ def _finite(text: str) -> float:
     return value
 
 
-def parse_body(body: bytes) -> dict[str, Any]:
-    """The body's JSON object; raises :class:`BadRequest` (400) saying what is wrong and what to send."""
+def parse_body(body: bytes, content_encoding: bytes | None = None) -> dict[str, Any]:
+    """The body's JSON object; raises :class:`BadRequest` (400, 415) saying what is wrong and what to send."""
+    coding = (content_encoding or b"").strip(b" \t").lower()
+    if coding not in (b"", b"identity"):
+        raise BadRequest(
+            415, f"Content-Encoding {coding[:40].decode('latin-1')!r} is not supported: send the body uncompressed"
+        )
     if body.startswith(_BOM):
         raise BadRequest(400, "request body starts with a byte order mark: send UTF-8 JSON without one")
     try:

@@ -145,7 +145,7 @@ class CallPath:
         body, stream = req.body, False
         if api != "models":  # a JSON body: checked here, so the upstream never sees a malformed one
             try:
-                obj = parse_body(body)
+                obj = parse_body(body, req.headers.get(b"content-encoding"))
             except BadRequest as exc:
                 await self.fail(conn, req, header, exc.status, str(exc), anthropic)
                 return

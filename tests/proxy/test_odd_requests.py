@@ -4,6 +4,7 @@ from the upstream or the lake are a captured 400, and odd but valid requests get
 
 from __future__ import annotations
 
+import gzip
 import socket
 import time
 import tracemalloc
@@ -161,3 +162,21 @@ def test_a_body_of_one_byte_chunks_costs_memory_in_proportion_to_its_size(proxy:
     (rec,) = proxy.records()
     assert rec.request == content and upstream.requests == []
     assert peak < 10 * len(content), f"peak {peak >> 20} MiB for a {len(content) >> 10} KiB body"
+
+
+def test_a_compressed_request_body_is_a_captured_415(proxy: ProxyHandle, upstream):
+    packed = gzip.compress(CHAT)
+    r = httpx.post(
+        f"{proxy.openai_base('gz')}/chat/completions", content=packed, headers={"content-encoding": "gzip"}, timeout=10
+    )
+    assert r.status_code == 415 and "send the body uncompressed" in r.json()["error"]["message"], r.text
+    assert upstream.requests == []
+    (rec,) = proxy.records()
+    assert rec.header["http_status"] == 415 and rec.request == packed
+    plain = httpx.post(
+        f"{proxy.openai_base('id')}/chat/completions",
+        content=CHAT,
+        headers={"content-encoding": "identity"},
+        timeout=10,
+    )
+    assert plain.status_code == 200
