@@ -197,7 +197,7 @@ def register(app: typer.Typer) -> None:
     @lake_app.command("check")
     def check_cmd(
         lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
-        show: int = typer.Option(10, "--show", help="Offending rows to print per failed audit."),
+        show: int = typer.Option(10, "--show", min=0, help="Offending rows to print per failed audit."),
     ) -> None:
         """Run every audit in sql/audits; exit 1 when any returns offending rows."""
         from clawpipe.errors import ClawpipeError
@@ -222,7 +222,9 @@ def register(app: typer.Typer) -> None:
     @lake_app.command("compact")
     def compact_cmd(
         lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
-        min_files: int = typer.Option(2, "--min-files", help="Compact partitions holding at least this many parts."),
+        min_files: int = typer.Option(
+            2, "--min-files", min=1, help="Compact partitions holding at least this many parts."
+        ),
     ) -> None:
         """Merge each partition's part files into one (atomic per partition; readers never wait)."""
         from clawpipe.errors import ClawpipeError

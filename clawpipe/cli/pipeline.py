@@ -99,7 +99,7 @@ def deploy(
 def worker(
     pool: str = typer.Option("clawpipe", "--pool", help="Work pool to take runs from."),
     api_url: str | None = typer.Option(None, "--api-url", help="Prefect server API URL (default: PREFECT_API_URL)."),
-    limit: int | None = typer.Option(None, "--limit", help="Most flow runs at once."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Most flow runs at once."),
     run_once: bool = typer.Option(False, "--run-once", help="Execute the runs scheduled now, then exit."),
     slots: int | None = typer.Option(
         None,

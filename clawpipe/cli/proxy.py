@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
             "--upstream",
             help="Policy server base URL (repeat for replicas: balanced by load, sticky per rollout).",
         ),
-        port: int = typer.Option(8400, "--port", help="Port to listen on (0 picks a free one)."),
+        port: int = typer.Option(8400, "--port", min=0, max=65535, help="Port to listen on (0 picks a free one)."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
         capture_dir: Path | None = typer.Option(
             None, "--capture-dir", help="Where segments go; default <CLAWPIPE_HOME>/captures."
@@ -58,6 +58,9 @@ def register(app: typer.Typer) -> None:
         from clawpipe.config import get_settings
         from clawpipe.proxy import ProxyConfig, run_proxy
 
+        for flag, value in (("--segment-mb", segment_mb), ("--segment-age", segment_age)):
+            if not value > 0 or value == float("inf"):  # NaN fails `> 0` too
+                raise typer.BadParameter(f"{flag} {value}: give a finite number above 0")
         settings = get_settings()
         cfg = ProxyConfig(
             upstreams=upstream,

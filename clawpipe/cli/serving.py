@@ -50,7 +50,7 @@ def serve(
     model: str = typer.Option(
         ..., "--model", help="Model directory, or a Hugging Face id (vLLM; local engine: only if cached)."
     ),
-    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on (0: any free port)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     engine: str = typer.Option("local", "--engine", help="local (transformers, batching) or vllm (GPU)."),
     served_name: list[str] = typer.Option(
