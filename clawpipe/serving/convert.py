@@ -109,7 +109,7 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"'{key}' must be a number")
+        raise RequestError(f"'{key}' must be a number", param=key)
     return float(value)
 
 
@@ -119,15 +119,48 @@ def int_field(body: dict[str, Any], *keys: str) -> int | None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RequestError(f"'{key}' must be an integer")
+            raise RequestError(f"'{key}' must be an integer", param=key)
         return value
     return None
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    """RequestError for what the engine cannot honour and a client relies on: a logit_bias, or output constrained
+    to JSON (response_format, Responses text.format); the engine samples the policy's own distribution, whose
+    logprobs are what the trainer scores. presence and frequency penalties are range-checked, then ignored."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, key, 0.0)
+        if not -2 <= value <= 2:
+            raise RequestError(f"'{key}' must be in [-2, 2], got {value}", param=key)
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise RequestError("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
+    if bias:
+        raise RequestError(
+            "'logit_bias' is not supported: this engine samples the policy's own distribution (its logprobs are "
+            "what training scores); drop logit_bias",
+            param="logit_bias",
+        )
+    text = body.get("text")
+    for key, fmt in (("response_format", body.get("response_format")), ("text.format", _field(text, "format"))):
+        kind = _field(fmt, "type")
+        if fmt is not None and kind != "text":
+            raise RequestError(
+                f"'{key}' of type {json.dumps(kind)} is not supported: this engine has no constrained decoding; "
+                "drop it (or use type text) and ask for the format in the prompt",
+                param=key,
+            )
+
+
+def _field(value: Any, key: str) -> Any:
+    return value.get(key) if isinstance(value, dict) else None
 
 
 def sampling(
     body: dict[str, Any], max_tokens: int | None, default_max: int, stop: list[str], n: int = 1, top_logprobs: int = 0
 ) -> SamplingParams:
     """SamplingParams from common fields (temperature, top_p, seed) and the API-specific ones passed in."""
+    check_unsupported(body)
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),

@@ -248,3 +248,36 @@ def test_an_anthropic_message_without_max_tokens_is_a_400_as_the_messages_api_an
         assert r.status_code == 400 and _error("messages", r).startswith("max_tokens: Field required"), r.text
     counted = httpx.post(f"{server.url}/v1/messages/count_tokens", json={"model": "tiny", "messages": MSGS})
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0  # counting needs no max_tokens
+
+
+SCHEMA = {"name": "answer", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+UNSUPPORTED = [
+    ("chat", {"logit_bias": {"99999999": 100}}, "'logit_bias' is not supported"),
+    ("chat", {"logit_bias": [1, 2]}, "'logit_bias' must be an object"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": SCHEMA}}, "'response_format' of type"),
+    ("chat", {"response_format": {"type": "json_object"}}, "no constrained decoding"),
+    ("chat", {"presence_penalty": 5}, "'presence_penalty' must be in [-2, 2], got 5"),
+    ("chat", {"frequency_penalty": "x"}, "'frequency_penalty' must be a number"),
+    ("responses", {"text": {"format": {"type": "json_schema", **SCHEMA}}}, "'text.format' of type"),
+    ("completions", {"logit_bias": {"5": -100}}, "'logit_bias' is not supported"),
+]
+
+
+@pytest.mark.parametrize(("api", "extra", "message"), UNSUPPORTED)
+def test_sampling_the_engine_cannot_honour_is_a_400_not_silently_ignored(
+    server: Any, api: str, extra: dict[str, Any], message: str
+) -> None:
+    body = {"model": "tiny", "max_tokens": 2, "max_output_tokens": 2, **extra}
+    body |= {"prompt": "hi"} if api == "completions" else {"messages": MSGS, "input": "hi"}
+    path = {**PATHS, "completions": "/v1/completions"}[api]
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == next(iter(extra)) + (".format" if api == "responses" else "")
+
+
+def test_neutral_values_of_unsupported_sampling_fields_are_accepted(server: Any) -> None:
+    neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 1.5}
+    r = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, **neutral})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+    r = _post(server, "responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "text"}}})
+    assert r.status_code == 200 and r.json()["text"] == {"format": {"type": "text"}}, r.text
