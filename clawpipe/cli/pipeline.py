@@ -53,12 +53,21 @@ def run(
     else:  # validated once here, before anything starts; the flow reads the same model back
         cfg = load_config(config, iterations=iterations, backend=backend, mode=mode)
         check_prerequisites(cfg)
+        _check_policy(cfg.policy)
         run_id = new_run_id(cfg.run_name)
         path = write_config(cfg, get_settings().runs_dir / run_id / "config.json")
         cmd += ["--run-id", run_id, "--config-file", str(path)]
     if summary_out is not None:
         cmd += ["--summary-out", str(summary_out)]
     raise typer.Exit(subprocess.call(cmd, env=_flows_env()))
+
+
+def _check_policy(policy: str | None) -> None:
+    """A configured initial policy must be a saved model here, where the run's policy server loads it."""
+    from clawpipe.errors import ConfigError
+
+    if policy and not (Path(policy).expanduser() / "config.json").is_file():
+        raise ConfigError(f"policy: {policy} has no config.json; give a saved transformers model directory")
 
 
 def _check_resume(run_id: str, runs_dir: Path) -> None:
@@ -84,8 +93,11 @@ def deploy(
 
     from clawpipe.configfile import write_config
     from clawpipe.pipeline.config import load_config
+    from clawpipe.pipeline.stages import check_prerequisites
 
     cfg = load_config(config)
+    # harnesses and task sets now, not when the schedule first fires; the sandbox tool is the workers' to have
+    check_prerequisites(cfg.model_copy(update={"backend": "process"}))
     handoff = write_config(cfg, Path(tempfile.mkdtemp(prefix="clawpipe-deploy-")) / "config.json")
     cmd = [sys.executable, "-m", "flows.deploy", "--pool", pool, "--name", name, "--config-file", str(handoff)]
     if cron:

@@ -162,3 +162,30 @@ def test_resume_of_a_path_or_an_unknown_run_is_refused_before_starting(home: Pat
     message = str(res.exception)
     assert run_id in message
     assert "not a run id" in message or "known runs: ['real-20260101-000000-abcdef']" in message
+
+
+def test_cli_run_refuses_a_policy_that_is_not_a_model_before_starting(tmp_path: Path) -> None:
+    (tmp_path / "not-a-model").mkdir()
+    for policy in (tmp_path / "missing", tmp_path / "not-a-model"):
+        p = tmp_path / "p.toml"
+        p.write_text(f'backend = "process"\npolicy = "{policy}"\n{ENTRY}')
+        out = _run_cli(["--config", str(p)], tmp_path / "home")
+        assert out.returncode == 2, out.stderr
+        assert f"policy: {policy} has no config.json" in out.stderr
+        assert not (tmp_path / "home" / "runs").exists()
+
+
+def test_deploy_refuses_an_unknown_task_set_before_registering(tmp_path: Path) -> None:
+    p = tmp_path / "p.toml"
+    p.write_text('[[harnesses]]\nname = "chat-loop"\ntask_set = "nope"\n')
+    env = {**os.environ, "CLAWPIPE_HOME": str(tmp_path / "home"), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    out = subprocess.run(
+        [sys.executable, "-m", "clawpipe", "deploy", "--config", str(p)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "unknown task set 'nope'" in out.stderr and "Traceback" not in out.stderr
