@@ -28,6 +28,7 @@ class CompletionsRoutes(Routes):
 
     async def completions(self, body: dict[str, Any]) -> Response:
         model = self.model_name(body)
+        _check_unsupported(body)
         prompts = await asyncio.to_thread(self._completion_prompts, body.get("prompt"))  # see Routes.render
         n = convert.int_field(body, "n")
         logprobs = body.get("logprobs")  # legacy: the number of top alternatives (0-5); false/null: none
@@ -172,6 +173,19 @@ class CompletionsRoutes(Routes):
         if (body.get("stream_options") or {}).get("include_usage"):
             yield sse({**base, "choices": [], "usage": self._usage(prompts, [c for cs in choices for c in cs])})
         yield b"data: [DONE]\n\n"
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    """RequestError for legacy fields whose answer would silently differ: echo (the prompt in the text, scored)
+    and suffix (insertion)."""
+    if body.get("echo") not in (None, False):
+        raise RequestError(
+            "'echo' is not supported: this engine does not return or score the prompt; drop echo (the prompt's ids "
+            "are in prompt_token_ids)",
+            param="echo",
+        )
+    if body.get("suffix") not in (None, ""):
+        raise RequestError("'suffix' (insertion) is not supported by this engine; drop it", param="suffix")
 
 
 def _is_ids(value: list[Any]) -> bool:

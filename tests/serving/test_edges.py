@@ -281,3 +281,12 @@ def test_neutral_values_of_unsupported_sampling_fields_are_accepted(server: Any)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
     r = _post(server, "responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "text"}}})
     assert r.status_code == 200 and r.json()["text"] == {"format": {"type": "text"}}, r.text
+
+
+def test_legacy_echo_and_suffix_are_a_400_not_silently_ignored(server: Any) -> None:
+    url = f"{server.url}/v1/completions"
+    for extra, message in (({"echo": True}, "'echo' is not supported"), ({"suffix": "}"}, "'suffix' (insertion)")):
+        r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, **extra}, timeout=30)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "echo": False, "suffix": ""}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
