@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from clawpipe.configfile import describe, read_values, shown, validate
 from clawpipe.errors import ConfigError
 
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*")  # a DNS name
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would let a trailing newline through
 # One iteration's rollouts (train and evaluation, over every harness) are planned in memory at once, a few KB
 # each: this bound turns a mistyped count (groups = 1000000000) into an error before anything starts.
@@ -167,6 +168,20 @@ class PipelineConfig(BaseModel):
             raise ValueError(
                 f"{shown(v, 40)}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
+        return v
+
+    @field_validator("serve_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            if len(v) > 253 or not _HOST.fullmatch(v):
+                raise ValueError(
+                    f"{shown(v, 40)} is neither an IP address nor a host name; give e.g. 127.0.0.1 or 0.0.0.0"
+                ) from None
         return v
 
     @field_validator("train")

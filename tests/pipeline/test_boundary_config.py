@@ -75,6 +75,9 @@ def _error(tmp_path: Path, toml: str) -> str:
         (_harness("chat loop"), ["harnesses.0.name", "'chat loop'"]),
         (_harness("x" * 1000), ["harnesses.0.name", "not a harness folder name"]),
         (_harness(""), ["harnesses.0.name", "''"]),
+        # the policy server's bind address is handed to a child's command line
+        ('serve_host = "not a host!"\n', ["serve_host", "'not a host!' is neither an IP address nor a host name"]),
+        ('serve_host = "--port=1"\n', ["serve_host", "'--port=1'"]),
         # duplicate entries
         (ENTRY + _entry(weight="2.0"), ["chat-loop with task set guess appears twice", "once"]),
         # an env the sandbox could not start with, or one that overrides the runner's own variables
@@ -112,6 +115,11 @@ def test_the_largest_plan_allowed_still_loads(tmp_path: Path) -> None:
     p = tmp_path / "big.toml"
     p.write_text(f"groups = {MAX_ROLLOUTS_PER_ITERATION // 4}\nsamples = 4\neval_tasks = 0\n{ENTRY}")
     assert load_config(p).rollouts_per_iteration() == MAX_ROLLOUTS_PER_ITERATION
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "localhost", "node-3.cluster.local"])
+def test_bind_addresses_and_host_names_are_taken(host: str) -> None:
+    assert load_config(serve_host=host).serve_host == host
 
 
 def test_a_config_handed_to_a_child_reads_back_the_same(tmp_path: Path) -> None:
