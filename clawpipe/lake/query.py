@@ -5,7 +5,8 @@ a SELECT (no EXPLAIN, whose ANALYZE form executes its statement; no COPY, ATTACH
 PRAGMA, SET, CALL or DDL). The connection: its views read a fixed list of the lake's Parquet files, those
 files are the only paths it may open (``allowed_paths`` with ``enable_external_access = false``: no
 other file, no directory listing, no writing anywhere, since DuckDB writes through a temporary name),
-extensions are neither loaded nor installed, and the configuration is locked.
+nothing spilled to a temporary directory, extensions are neither loaded nor installed, and the
+configuration is locked.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 _COMMENT = re.compile(r"--[^\n]*")
 _STRING = re.compile(r"'(?:[^']|'')*'")
 _LOCKS = (
+    # no spilling: DuckDB would write query data into ./.tmp (external access off does not stop it); a query
+    # larger than memory fails instead. Set first: with external access off it can no longer be changed.
+    "set temp_directory = ''",
     "set enable_external_access = false",  # file access only to allowed_paths; no extension loading
     "set autoload_known_extensions = false",
     "set autoinstall_known_extensions = false",
@@ -99,6 +103,12 @@ def run_sql(lake_root: str | os.PathLike[str], query: str, params: dict[str, Any
                 time.sleep(0.05 * (attempt + 1))
                 continue
             raise LakeError(f"{str(exc).strip()}; clawpipe sql reads the lake's tables and nothing else") from exc
+        except duckdb.OutOfMemoryException as exc:
+            raise LakeError(
+                f"{str(exc).splitlines()[0]}: the query needs more memory than DuckDB may use, and clawpipe sql "
+                "writes nothing to disk; filter or aggregate more (e.g. by run_id and iteration), or select fewer "
+                "columns"
+            ) from exc
         except duckdb.Error as exc:
             raise LakeError(str(exc).strip()) from exc
         finally:

@@ -397,6 +397,23 @@ def test_a_pivot_without_values_is_refused_naming_the_fix(lake: Path) -> None:
         run_sql(lake, "pivot rollouts on harness using count(*)")
 
 
+def test_a_query_larger_than_memory_fails_without_spilling_to_disk(
+    lake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DuckDB spills to ./.tmp even with external access off: clawpipe sql spills nowhere and says what to do.
+    (The memory limit is lowered so that a sort of 2M short rows exceeds it.)"""
+    from clawpipe.lake import query
+
+    monkeypatch.setattr(query, "_LOCKS", ("set memory_limit = '48MB'", "set threads = 1", *query._LOCKS))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    with pytest.raises(LakeError, match="more memory than DuckDB may use.*filter or aggregate more"):
+        run_sql(lake, "select count(*) from (select md5(i::varchar) as s from range(2000000) t(i) order by s)")
+    assert list(cwd.iterdir()) == []
+    assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == 6
+
+
 def test_ad_hoc_sql_reads_only_the_lake(lake: Path, tmp_path: Path) -> None:
     outside = tmp_path / "secret.csv"
     outside.write_text("a\n1\n")
