@@ -408,7 +408,7 @@ def test_a_query_larger_than_memory_fails_without_spilling_to_disk(
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    with pytest.raises(LakeError, match="more memory than DuckDB may use.*filter or aggregate more"):
+    with pytest.raises(LakeError, match=r"more memory than DuckDB may use.*filter or aggregate more"):
         run_sql(lake, "select count(*) from (select md5(i::varchar) as s from range(2000000) t(i) order by s)")
     assert list(cwd.iterdir()) == []
     assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == 6
