@@ -24,9 +24,6 @@ from clawpipe import schemas, sqlfiles, tables
 from clawpipe.errors import LakeError
 
 _RETRIES = 3
-_PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
-_COMMENT = re.compile(r"--[^\n]*")
-_STRING = re.compile(r"'(?:[^']|'')*'")
 _LOCKS = (
     # no spilling: DuckDB would write query data into ./.tmp (external access off does not stop it); a query
     # larger than memory fails instead. Set first: with external access off it can no longer be changed.
@@ -118,9 +115,16 @@ def run_sql(lake_root: str | os.PathLike[str], query: str, params: dict[str, Any
 
 
 def query_params(sql: str) -> list[str]:
-    """Names of the ``$name`` parameters a SQL text uses (outside comments and string literals)."""
-    text = _STRING.sub("''", _COMMENT.sub("", sql))
-    return sorted(set(_PARAM.findall(text)))
+    """Names of the ``$name`` parameters a SQL text uses, as DuckDB's parser finds them: not those in a
+    comment of either kind, a string or a quoted name, each of which DuckDB would refuse as an extra value."""
+    con = duckdb.connect()
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise LakeError(str(exc).strip()) from exc
+    finally:
+        con.close()
+    return sorted({name for statement in statements for name in statement.named_parameters})
 
 
 def coerce_param(value: str) -> Any:

@@ -109,3 +109,34 @@ def test_cli_refuses_a_parameter_given_twice(lake: Path) -> None:
     )
     assert res.exit_code == 2
     assert "given twice" in " ".join(res.output.replace("│", " ").split())
+
+
+@pytest.fixture
+def sql_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of sql/ that tests may add saved queries to (the loader's cache cleared around it)."""
+    import shutil
+
+    from clawpipe import sqlfiles
+
+    copy = tmp_path / "sql"
+    shutil.copytree(sqlfiles.SQL_DIR, copy)
+    monkeypatch.setattr(sqlfiles, "SQL_DIR", copy)
+    sqlfiles.sql_text.cache_clear()
+    yield copy
+    sqlfiles.sql_text.cache_clear()
+
+
+def test_parameters_are_the_ones_duckdb_parses(lake: Path, sql_dir: Path) -> None:
+    """A $name in a block comment or a quoted column name is no parameter: giving it a value failed the query."""
+    from clawpipe.lake.query import query_params
+
+    (sql_dir / "analytics" / "commented.sql").write_text(
+        "-- rollouts of a run ($not_this)\n/* was: a $harness filter */\n"
+        "select count(*) as n, '$nor_this' as s, 1 as \"$col\"\n"
+        "from rollouts where $run_id is null or run_id = $run_id\n"
+    )
+    assert query_params((sql_dir / "analytics" / "commented.sql").read_text()) == ["run_id"]
+    assert run_saved(lake, "commented").to_pylist() == [{"n": len(RUNS) * 2, "s": "$nor_this", "$col": 1}]
+    assert run_saved(lake, "commented", {"run_id": "42"}).column("n").to_pylist() == [2]
+    listing = CliRunner().invoke(app, ["lake", "saved"])
+    assert "commented  [$run_id]  rollouts of a run" in listing.output
