@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from clawpipe.proxy.routes import TOKEN_APIS, prepare_body
 from clawpipe.proxy.wire import BadRequest
 
 _BOM = b"\xef\xbb\xbf"
@@ -54,3 +58,27 @@ def parse_body(body: bytes, content_encoding: bytes | None = None) -> dict[str, 
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest(400, f"stream must be true or false, not {json.dumps(stream)[:40]}")
     return obj
+
+
+@dataclass(slots=True)
+class CallBody:
+    """What a call keeps of its body once it is checked: the bytes to forward and the fields it records."""
+
+    forwarded: bytes
+    stream: bool
+    model: str | None
+    request_changes: msgspec.Raw | None  # the fields added or changed (routes.prepare_body), encoded
+
+
+def read_call_body(api: str, body: bytes, content_encoding: bytes | None) -> CallBody:
+    """Check a model call's body and ask for its token ids. The parsed object is dropped on return: it can
+    take many times the body's memory, and the call may wait minutes for its answer."""
+    obj = parse_body(body, content_encoding)
+    model = obj.get("model")
+    forwarded, changes = prepare_body(api, body, obj) if api in TOKEN_APIS else (body, {})
+    return CallBody(
+        forwarded,
+        obj.get("stream") is True,
+        model if isinstance(model, str) else None,
+        msgspec.Raw(msgspec.json.encode(changes)) if changes else None,
+    )

@@ -1,12 +1,13 @@
 """The forward path of one model call: from an attributed request to its answer and its capture record.
 
 A call's :class:`~clawpipe.capture.CaptureHeader` is made when it arrives and filled in as it goes: the body is
-checked (size, JSON) and ``return_token_ids``/``logprobs`` are added (:mod:`~clawpipe.proxy.routes`); a paused
-proxy holds it at the gate; one upstream replica gets it (the least loaded, then sticky per rollout:
-:mod:`~clawpipe.proxy.replicas`) and, only while nothing reached the client, at most one other; the outcome
-becomes its captured status and answer (:mod:`~clawpipe.proxy.outcome`); ids the upstream did not return are
-encoded by the retokenizer; the record is written (:mod:`~clawpipe.proxy.segments`) before the answer's last
-bytes are released (:mod:`~clawpipe.proxy.respond`): a call whose answer reached the harness is on disk.
+checked (size; JSON read as the upstream reads it: :mod:`~clawpipe.proxy.body`) and ``return_token_ids`` /
+``logprobs`` are added (:mod:`~clawpipe.proxy.routes`); a paused proxy holds it at the gate; one upstream
+replica gets it (the least loaded, then sticky per rollout: :mod:`~clawpipe.proxy.replicas`) and, only while
+nothing reached the client, at most one other; the outcome becomes its captured status and answer
+(:mod:`~clawpipe.proxy.outcome`); ids the upstream did not return are encoded by the retokenizer; the record
+is written (:mod:`~clawpipe.proxy.segments`) before the answer's last bytes are released
+(:mod:`~clawpipe.proxy.respond`): a call whose answer reached the harness is on disk.
 Every call with a valid key that was read whole is captured exactly once, whatever its end (upstream error,
 response over the size limit, body over the budget, shutdown, an internal error).
 """
@@ -19,19 +20,17 @@ import os
 import time
 from typing import TYPE_CHECKING, Protocol
 
-import msgspec
-
 from clawpipe.capture import HEADER_FORMAT, CaptureHeader
 from clawpipe.errors import ClawpipeError
 from clawpipe.keys import RolloutKey
 from clawpipe.proxy import respond, wire
-from clawpipe.proxy.body import parse_body
+from clawpipe.proxy.body import read_call_body
 from clawpipe.proxy.call import Call
 from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.outcome import Outcome, judge
 from clawpipe.proxy.replicas import RETRY_STATUSES, ReplicaSet
-from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, prepare_body
+from clawpipe.proxy.routes import ROUTES, TOKEN_APIS
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
 from clawpipe.proxy.wire import BadRequest
@@ -145,17 +144,14 @@ class CallPath:
         body, stream = req.body, False
         if api != "models":  # a JSON body: checked here, so the upstream never sees a malformed one
             try:
-                obj = parse_body(body, req.headers.get(b"content-encoding"))
+                checked = read_call_body(api, body, req.headers.get(b"content-encoding"))
             except BadRequest as exc:
                 await self.fail(conn, req, header, exc.status, str(exc), anthropic)
                 return
-            stream = header.stream = obj.get("stream") is True
-            model = obj.get("model")
-            header.model = model if isinstance(model, str) else None
-            if api in TOKEN_APIS:
-                body, changes = prepare_body(api, body, obj)
-                if changes:
-                    header.request_changes = msgspec.Raw(msgspec.json.encode(changes))
+            body, stream = checked.forwarded, checked.stream
+            header.stream, header.model = stream, checked.model
+            if checked.request_changes is not None:
+                header.request_changes = checked.request_changes
         if self.owner.paused and not await self._through_gate(conn, req, header, anthropic):
             return
         self.owner.call_began()

@@ -9,10 +9,10 @@ answered call is on disk and every call with a valid key is captured exactly onc
 connection cap are answered without a record.
 
 Module map: framing (:mod:`~clawpipe.proxy.framing`), connections (:mod:`~clawpipe.proxy.conn`), calls
-(:mod:`~clawpipe.proxy.call`), upstream pool (:mod:`~clawpipe.proxy.upstream`), outcome to captured status
-(:mod:`~clawpipe.proxy.outcome`), answers (:mod:`~clawpipe.proxy.respond`), limits and settings
-(:mod:`~clawpipe.proxy.limits`, :mod:`~clawpipe.proxy.config`), capture segments
-(:mod:`~clawpipe.proxy.segments`).
+(:mod:`~clawpipe.proxy.call`), request bodies (:mod:`~clawpipe.proxy.body`), upstream pool
+(:mod:`~clawpipe.proxy.upstream`), outcome to captured status (:mod:`~clawpipe.proxy.outcome`), answers
+(:mod:`~clawpipe.proxy.respond`), limits and settings (:mod:`~clawpipe.proxy.limits`,
+:mod:`~clawpipe.proxy.config`), capture segments (:mod:`~clawpipe.proxy.segments`).
 
 Raw ``asyncio`` protocols on uvloop (when installed), no web framework: the proxy's CPU per call is the
 figure that matters (bench/proxy_overhead.py).

@@ -251,12 +251,12 @@ def test_calls_waiting_for_an_upstream_connection_at_shutdown_are_captured_once(
 
 
 def test_an_internal_error_is_answered_and_captured_once(proxy: ProxyHandle, upstream, monkeypatch) -> None:
-    import clawpipe.proxy.forward as forward_mod
+    import clawpipe.proxy.body as body_mod
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(forward_mod, "prepare_body", broken)
+    monkeypatch.setattr(body_mod, "prepare_body", broken)
     r = httpx.post(f"{proxy.openai_base('bug')}/chat/completions", json=CHAT, timeout=10)
     assert r.status_code == 500 and "internal proxy error" in r.json()["error"]["message"]
     (rec,) = proxy.records()

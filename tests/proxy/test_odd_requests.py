@@ -180,3 +180,35 @@ def test_a_compressed_request_body_is_a_captured_415(proxy: ProxyHandle, upstrea
         timeout=10,
     )
     assert plain.status_code == 200
+
+
+def test_calls_in_flight_do_not_keep_their_parsed_bodies(proxy: ProxyHandle, upstream: ScriptedUpstream):
+    """A JSON body parses to many times its size (here 200,000 empty objects: ~15 MB from 600 KB), and a call
+    may wait minutes for its answer: five calls held by the upstream keep their bodies, not the parsed ones."""
+    upstream.hang = True
+    filler = b"[" + b"{}," * 200_000 + b"{}]"
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "metadata": ' + filler + b"}"
+    head = _head("held", f"content-length: {len(body)}")
+    host, port = proxy.url.removeprefix("http://").split(":")
+    socks = []
+    tracemalloc.start()
+    try:
+        for _ in range(5):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(head + body)
+            socks.append(s)
+        deadline = time.monotonic() + 30
+        while len(upstream.requests) < 5:
+            assert time.monotonic() < deadline, "calls not forwarded"
+            time.sleep(0.05)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        for s in socks:
+            s.close()
+    assert held < 5 * 8 * len(body), f"{held >> 20} MiB held by 5 calls of {len(body) >> 10} KiB"
+    deadline = time.monotonic() + 10
+    while len(proxy.records()) < 5:  # the calls the clients gave up on are captured as cancelled
+        assert time.monotonic() < deadline, "cancelled calls not captured"
+        time.sleep(0.05)
+    assert {r.header["status"] for r in proxy.records()} == {"cancelled"}
