@@ -74,8 +74,25 @@ def _check_out(out: Path, lake_root: str) -> None:
 def _emit(table: Any, fmt: str, out: Path | None) -> None:
     try:
         _write(table, fmt, out)
+    except OverflowError:  # a value Python has no type for (an infinite date), met while rendering the rows
+        _fail(ValueError(_unshowable(table, fmt)))
     except OSError as exc:
         _fail(OSError(f"cannot write --out {out}: {exc}; give a writable file path"))
+
+
+def _unshowable(table: Any, fmt: str) -> str:
+    """What to do when the rows hold a value Python cannot represent (DuckDB's infinite dates and timestamps)."""
+    bad = []
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        try:
+            col.to_pylist()
+        except OverflowError:
+            bad.append(name)
+    first = bad[0] if bad else "the column"
+    return (
+        f"column(s) {', '.join(bad) or '?'} hold a value --format {fmt} cannot show (an infinite or out-of-range "
+        f"date or timestamp); cast it in the query ({first}::varchar) or use --format csv or parquet"
+    )
 
 
 def _write(table: Any, fmt: str, out: Path | None) -> None:

@@ -66,3 +66,16 @@ def test_out_outside_the_lake_still_writes(lake: Path, tmp_path: Path) -> None:
     code, output = _sql(lake, "--format", "json", "--out", str(out))
     assert code == 0, output
     assert '"rollout_id": "r1"' in out.read_text()
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_value_python_cannot_hold_is_a_clear_error_not_a_traceback(lake: Path, fmt: str) -> None:
+    query = "select 'infinity'::timestamp as t, 'infinity'::date as d, 1 as x"
+    res = CliRunner().invoke(app, ["sql", query, "--lake", str(lake), "--format", fmt])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.exception
+    assert "column(s) t, d hold a value" in res.output and "t::varchar" in res.output
+    cast = "select 'infinity'::timestamp::varchar as t, 'infinity'::date::varchar as d"
+    shown = CliRunner().invoke(app, ["sql", cast, "--lake", str(lake), "--format", fmt])
+    assert shown.exit_code == 0 and "infinity" in shown.output
+    as_csv = CliRunner().invoke(app, ["sql", query, "--lake", str(lake), "--format", "csv"])
+    assert as_csv.exit_code == 0 and as_csv.output.splitlines()[0] == '"t","d","x"'
