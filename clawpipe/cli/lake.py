@@ -54,6 +54,18 @@ def _flatten_nested(table: Any) -> Any:
     return pa.table(cols, names=table.column_names)
 
 
+def _check_lake(lake_root: str) -> None:
+    """A local lake folder must exist: a mistyped --lake would otherwise answer every query with no rows."""
+    from clawpipe.tables import LakeFS
+
+    lake = LakeFS(lake_root)
+    if lake.is_local and not Path(lake.root).is_dir():
+        raise typer.BadParameter(
+            f"--lake {lake_root}: no lake there (no folder {lake.root}); land captures first (clawpipe land) "
+            "or give the lake's folder"
+        )
+
+
 def _check_out(out: Path, lake_root: str) -> None:
     """``--out`` must be a file this command may write: not a folder, in an existing one, outside the lake
     (a result written among the lake's files would become part of a table and its rows counted twice)."""
@@ -189,6 +201,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("give a QUERY or --saved NAME (one of them)")
         if fmt == "parquet" and out is None:
             raise typer.BadParameter("--format parquet needs --out FILE")
+        _check_lake(_lake_root(lake))
         if out is not None:
             _check_out(out, _lake_root(lake))
         params: dict[str, str] = {}

@@ -79,3 +79,12 @@ def test_a_value_python_cannot_hold_is_a_clear_error_not_a_traceback(lake: Path,
     assert shown.exit_code == 0 and "infinity" in shown.output
     as_csv = CliRunner().invoke(app, ["sql", query, "--lake", str(lake), "--format", "csv"])
     assert as_csv.exit_code == 0 and as_csv.output.splitlines()[0] == '"t","d","x"'
+
+
+def test_a_lake_folder_that_does_not_exist_is_refused(lake: Path, tmp_path: Path) -> None:
+    typo = tmp_path / "lkae"
+    res = CliRunner().invoke(app, ["sql", "select count(*) from rollouts", "--lake", str(typo)])
+    output = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "no lake there" in output and "clawpipe land" in output, output
+    assert not typo.exists()
+    assert _sql(lake, "--format", "csv")[0] == 0  # the real one still answers
