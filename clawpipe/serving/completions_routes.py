@@ -124,6 +124,7 @@ class CompletionsRoutes(Routes):
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError(f"'{where}' is empty")
+            self.check_text(len(prompt))
             return list(self.engine.tokenizer.encode(prompt, add_special_tokens=False))
         if isinstance(prompt, list) and prompt and _is_ids(prompt):
             return list(prompt)

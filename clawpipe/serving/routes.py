@@ -19,7 +19,7 @@ from clawpipe.apis.sse import sse_frame
 from clawpipe.errors import ServingError
 from clawpipe.serving import convert
 from clawpipe.serving.engine import Engine
-from clawpipe.serving.params import RequestError, SamplingParams, TokenEvent
+from clawpipe.serving.params import RequestError, SamplingParams, TokenEvent, check_text_length
 from clawpipe.serving.response_store import ResponseStore
 from clawpipe.serving.splice import REQUEST_ROLLOUT, Prompt, TurnMemory, render_spliced
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
@@ -230,6 +230,8 @@ class Routes:
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
         """The prompt ids of chat messages; assistant turns this engine generated for the request's rollout, as
         they were answered, carry the ids it sampled for them (see clawpipe.serving.splice)."""
+        # user, system and tool text is rendered as sent (assistant turns may be trimmed by the template)
+        self.check_text(sum(len(m["content"]) for m in messages if m["role"] != "assistant"))
         template_tools: Any = tools or None
         rollout = REQUEST_ROLLOUT.get() if self.options.splice else None
         try:
@@ -245,6 +247,13 @@ class Routes:
         except Exception as exc:
             raise RequestError(f"the messages cannot be rendered through the chat template: {exc}") from exc
         return Prompt([int(t) for t in ids], 0, rollout)
+
+    def check_text(self, chars: int) -> None:
+        """RequestError when prompt text this long cannot fit, checked before it is tokenized."""
+        engine = self.engine
+        check_text_length(
+            chars, engine.table.longest_piece, context=engine.max_model_len, prompt_limit=engine.max_prompt_tokens
+        )
 
     def keep_turn(self, prompt: list[int], choice: Choice, calls: list[Any]) -> None:
         """Remember a finished choice of a rollout's request, as the client was shown it, for its next turns."""

@@ -40,6 +40,8 @@ class TokenTable:
             decoder = {}
         self._byte_level = decoder.get("type") == "ByteLevel"
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        # the most text characters one token can stand for (a byte-level piece's characters are its bytes)
+        self.longest_piece = max(map(len, tokenizer.get_vocab()), default=1)
 
     def entry(self, token_id: int) -> tuple[str, list[int]]:
         """(token string, its bytes) for one id; partial UTF-8 tokens keep their true bytes."""

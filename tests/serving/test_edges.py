@@ -173,10 +173,12 @@ def test_top_logprobs_without_logprobs_is_a_400(server: Any) -> None:
 
 @pytest.fixture(scope="module")
 def small_body_server(policy_dir: Path) -> Iterator[Any]:
-    """An engine that takes request bodies up to 64 KiB."""
+    """An engine that takes request bodies up to 64 KiB and prompts up to 100 tokens."""
     from clawpipe.serving.server import start_server
 
-    handle = start_server(policy_dir, device="cpu", served_name="tiny", max_model_len=4096, max_request_mb=1 / 16)
+    handle = start_server(
+        policy_dir, device="cpu", served_name="tiny", max_model_len=4096, max_request_mb=1 / 16, max_prompt_tokens=100
+    )
     yield handle
     handle.stop()
 
@@ -205,18 +207,43 @@ def test_a_body_over_the_size_limit_is_a_413_in_each_apis_shape_before_it_is_rea
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
 
 
-@pytest.mark.slow
-def test_a_long_prompt_being_tokenized_does_not_stall_other_streams(server: Any) -> None:
-    """Rendering a 2 MB conversation takes seconds; the other requests' tokens keep flowing meanwhile."""
+def test_prompt_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
+    server: Any, small_body_server: Any
+) -> None:
+    """No token stands for more characters than the tokenizer's longest piece, so 3 MB of text cannot fit a
+    4096-token context: a 400 saying so comes without tokenizing it (the count is a floor: "at least")."""
+    huge = "ab " * 1_000_000
+    r = _post(server, "chat", {"messages": [{"role": "user", "content": huge}]})
+    assert r.status_code == 400 and "context overflow: the prompt has at least" in _error("chat", r), r.text
+    legacy = httpx.post(f"{server.url}/v1/completions", json={"prompt": huge, "max_tokens": 2}, timeout=60)
+    assert legacy.status_code == 400 and "at least" in legacy.json()["error"]["message"], legacy.text
+    r = _post(server, "messages", {"messages": MSGS, "system": huge, "max_tokens": 2})
+    assert r.status_code == 400 and "at least" in _error("messages", r), r.text
+    over = httpx.post(
+        f"{small_body_server.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "ab " * 1000}], "max_tokens": 2},
+        timeout=30,
+    )
+    message = over.json()["error"]["message"]
+    assert over.status_code == 400 and "at least" in message and "limit of 100 prompt tokens" in message, over.text
+    fits = _post(server, "chat", {"messages": [{"role": "user", "content": "ab " * 300}], "max_tokens": 2})
+    assert fits.status_code == 200, fits.text
 
-    async def run() -> tuple[float, float]:
+
+@pytest.mark.slow
+def test_a_long_prompt_being_tokenized_does_not_stall_other_streams(policy_dir: Path) -> None:
+    """Rendering a 1.7 MB conversation takes seconds (this engine's context, 131072 tokens, might hold it); the
+    other requests' tokens keep flowing meanwhile."""
+    from clawpipe.serving.server import start_server
+
+    async def run(url: str) -> tuple[float, float]:
         arrivals: list[float] = []
         window: list[float] = []
         async with httpx.AsyncClient(timeout=120) as c:
 
             async def stream() -> None:
-                body = {"model": "tiny", "messages": MSGS, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-                async with c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+                body = {"messages": MSGS, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             arrivals.append(time.monotonic())
@@ -227,17 +254,23 @@ def test_a_long_prompt_being_tokenized_does_not_stall_other_streams(server: Any)
                 while len(arrivals) < 5:
                     await asyncio.sleep(0.01)
                 window.append(time.monotonic())
-                body = {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 700_000}]}
-                r = await c.post(f"{server.url}/v1/chat/completions", json=body)
+                body = {"messages": [{"role": "user", "content": "ab " * 566_000}]}
+                r = await c.post(f"{url}/v1/chat/completions", json=body)
                 window.append(time.monotonic())
-                assert r.status_code == 400 and "context overflow" in r.json()["error"]["message"], r.text
+                message = r.json()["error"]["message"]
+                assert r.status_code == 400 and "context overflow: the prompt has" in message, r.text
+                assert "at least" not in message  # it was tokenized
 
             await asyncio.gather(stream(), long_prompt())
         start, end = window
         during = [start, *(t for t in arrivals if start < t < end), end]
         return end - start, max(b - a for a, b in itertools.pairwise(during))
 
-    took, longest_gap = asyncio.run(run())
+    handle = start_server(policy_dir, device="cpu", max_prompt_tokens=131071)
+    try:
+        took, longest_gap = asyncio.run(run(handle.url))
+    finally:
+        handle.stop()
     assert took > 0.5, f"the long prompt took only {took:.2f}s: too short to show a stall"
     assert longest_gap < took / 3, f"streams stalled {longest_gap:.2f}s of the {took:.2f}s the long prompt took"
 
