@@ -24,9 +24,14 @@ M = TypeVar("M", bound=BaseModel)
 def read_values(path: str | Path, *, what: str, table: str | None = None) -> dict[str, Any]:
     """The top-level values of a TOML or JSON file (or of its ``[table]`` when present)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} {p} is a folder; pass a TOML or JSON file")
     if not p.is_file():
         raise ConfigError(f"{what} {p} does not exist; pass an existing TOML or JSON file")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")  # TOML is UTF-8 by definition, whatever the locale says
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
