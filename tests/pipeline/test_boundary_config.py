@@ -202,7 +202,7 @@ def test_deploy_refuses_an_unknown_task_set_before_registering(tmp_path: Path) -
 def test_a_config_that_is_not_utf8_text_or_is_a_folder_is_named(tmp_path: Path) -> None:
     p = tmp_path / "latin1.toml"
     p.write_bytes('run_name = "caf\u00e9"\n'.encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"latin1.toml is not UTF-8 text \(byte 14\); save it as UTF-8"):
+    with pytest.raises(ConfigError, match=r"latin1.toml is not UTF-8 text \(byte 15\); save it as UTF-8"):
         load_config(p)
     with pytest.raises(ConfigError, match="is a folder; pass a TOML or JSON file"):
         load_config(tmp_path)
