@@ -386,7 +386,7 @@ async def _body(request: Request, max_bytes: int) -> bytes:
 def _too_large(max_bytes: int) -> RequestError:
     return RequestError(
         f"the request body is over this server's limit of {max_bytes} bytes; send a shorter conversation "
-        "(the operator sets the limit with --max-request-mb)",
+        "(the operator sets the limit: max_request_mb, default 32)",
         status=413,
         code="request_too_large",
     )
