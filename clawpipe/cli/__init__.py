@@ -32,6 +32,21 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at DE
     )
 
 
+def check_run_id(value: str, flag: str) -> str:
+    """A run id given on the command line: one lake partition's name (``run_id=<id>``), so never a path."""
+    import re
+
+    from clawpipe.capture import RUN_ID_MAX, SAFE_RUN_ID
+    from clawpipe.errors import ConfigError
+
+    if len(value) > RUN_ID_MAX or not re.match(SAFE_RUN_ID, value) or value.endswith("\n"):
+        raise ConfigError(
+            f"{flag} {value[:60]!r} is not a run id: give 1-{RUN_ID_MAX} letters, digits or ._:@+- "
+            "starting with a letter or digit (no paths)"
+        )
+    return value
+
+
 def _register_rooms() -> None:
     for room in ROOMS:
         name = f"clawpipe.cli.{room}"

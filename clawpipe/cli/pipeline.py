@@ -73,12 +73,10 @@ def _check_policy(policy: str | None) -> None:
 def _check_resume(run_id: str, runs_dir: Path) -> None:
     """``--resume`` names a run of this home by its id, checked before the flow starts: a path (``../x``)
     would resume whatever state file it reached, a typo would fail only once Prefect was up."""
-    from clawpipe.errors import ConfigError
+    from clawpipe.cli import check_run_id
     from clawpipe.pipeline.state import RunState
 
-    if not run_id or "/" in run_id or run_id in (".", "..") or not run_id.isprintable():
-        raise ConfigError(f"--resume {run_id!r} is not a run id; give one of the run ids under {runs_dir}")
-    RunState.load(runs_dir, run_id)  # names the known runs when there is no such run
+    RunState.load(runs_dir, check_run_id(run_id, "--resume"))  # names the known runs when there is no such run
 
 
 def deploy(

@@ -64,10 +64,12 @@ def register(app: typer.Typer) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
 
+        from clawpipe.cli import check_run_id
         from clawpipe.errors import ConfigError
         from clawpipe.sandbox import RolloutSpec, find_harness, load_task_file, masked_groups, run_rollouts
         from clawpipe.sandbox.manifest import default_harness_dirs
 
+        check_run_id(run_id, "--run-id")  # before any sandbox starts, not as each rollout's failure
         dirs = [*harness_dir, *default_harness_dirs()]
         manifest = find_harness(harness, dirs)
         if env:

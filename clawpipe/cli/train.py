@@ -43,12 +43,14 @@ def train(
         None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous on the first node (multi-node)."
     ),
 ) -> None:
+    from clawpipe.cli import check_run_id
     from clawpipe.config import prepare_environment
     from clawpipe.errors import ConfigError
     from clawpipe.tracking import make_tracker
     from clawpipe.train.config import load_config
     from clawpipe.train.step import train_step
 
+    check_run_id(run, "--run")  # it names the checkpoint folder <home>/models/<run> too
     settings = prepare_environment()
     cfg = load_config(config, publish_url=publish_url, nproc=nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
     out_dir = out or settings.models_dir / run

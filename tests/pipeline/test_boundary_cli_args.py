@@ -59,3 +59,22 @@ def test_lake_and_worker_commands_refuse_out_of_range_numbers(home: Path, args: 
     assert res.exit_code == 2, res.output
     assert flag in _flat(res.output) and "greater than or equal to" in _flat(res.output)
     assert not home.exists()  # nothing ran: no lake, no worker state
+
+
+@pytest.mark.parametrize("run_id", ["../../elsewhere", "/tmp/x", "..", ".hidden", "a b", "run\n", "r" * 201, ""])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--iteration", "0", "--run"],
+        ["rollout", "--harness", "chat-loop", "--tasks", "guess", "--backend", "process", "--run-id"],
+    ],
+)
+def test_a_run_id_on_the_command_line_is_a_partition_name_not_a_path(
+    home: Path, command: list[str], run_id: str
+) -> None:
+    from clawpipe.errors import ConfigError
+
+    res = CliRunner().invoke(app, [*command, run_id])
+    assert isinstance(res.exception, ConfigError), (res.exception, res.output)
+    assert f"{command[-1]} {run_id[:60]!r} is not a run id" in str(res.exception) and "no paths" in str(res.exception)
+    assert not home.exists()  # no models folder, no captures, no results
