@@ -92,7 +92,7 @@ class BadRequest(Exception):
 @dataclass(slots=True)
 class Request:
     method: str
-    target: str  # path + query as sent
+    target: str  # path + query as sent (an absolute-form target: its path + query)
     path: str
     query: str
     version: bytes
