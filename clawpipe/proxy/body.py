@@ -56,7 +56,9 @@ def parse_body(body: bytes, content_encoding: bytes | None = None) -> dict[str, 
         raise BadRequest(400, "request body must be a JSON object")
     stream = obj.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise BadRequest(400, f"stream must be true or false, not {json.dumps(stream)[:40]}")
+        # a scalar is shown; an array or object may nest too deep to encode again
+        shown = json.dumps(stream)[:40] if isinstance(stream, str | int | float) else f"a {type(stream).__name__}"
+        raise BadRequest(400, f"stream must be true or false, not {shown}")
     return obj
 
 

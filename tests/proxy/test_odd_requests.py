@@ -108,7 +108,7 @@ def test_a_body_that_is_not_utf8_json_is_a_captured_400(
     assert rec.header["http_status"] == 400 and rec.request == body
 
 
-@pytest.mark.parametrize("value", ["1", '"true"', '"false"', "0", "{}"])
+@pytest.mark.parametrize("value", ["1", '"true"', '"false"', "0", "{}", "[" * 950 + "]" * 950])
 def test_a_stream_flag_that_is_not_a_boolean_is_a_captured_400(proxy: ProxyHandle, upstream, value: str):
     """An upstream that coerces 1 or "true" would stream an answer the proxy takes (and captures) as whole."""
     body = b'{"model": "m", "stream": %b, "messages": [{"role": "user", "content": "x"}]}' % value.encode()
