@@ -188,8 +188,9 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _finite_train(cls, v: dict[str, Any]) -> dict[str, Any]:
         for k, value in v.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{k} = {value} is not a finite number; give a finite one")
+            items = value if isinstance(value, list) else [value]  # e.g. betas = [0.9, 0.999]
+            if any(isinstance(x, float) and not math.isfinite(x) for x in items):
+                raise ValueError(f"{k} = {value} is not finite; give finite numbers")
         return v
 
     @model_validator(mode="after")

@@ -47,8 +47,9 @@ def _error(tmp_path: Path, toml: str) -> str:
         ("shard_timeout_s = 1e300\n", ["shard_timeout_s", "less than or equal to 604800", "got 1e+300"]),
         (_entry(weight="inf"), ["harnesses.0.weight", "finite number", "got inf"]),
         (_entry(weight="nan"), ["harnesses.0.weight", "finite number", "got nan"]),
-        ("train = { learning_rate = inf }\n", ["train", "learning_rate = inf is not a finite number"]),
-        ("train = { learning_rate = nan }\n", ["train", "learning_rate = nan is not a finite number"]),
+        ("train = { learning_rate = inf }\n", ["train", "learning_rate = inf is not finite"]),
+        ("train = { learning_rate = nan }\n", ["train", "learning_rate = nan is not finite"]),
+        ("train = { betas = [0.9, inf] }\n", ["train", "betas = [0.9, inf] is not finite"]),
         # TOML types taken as written, not converted
         ('groups = "4"\n', ["groups", "valid integer", "got '4'"]),
         ("groups = true\n", ["groups", "valid integer", "got True"]),
