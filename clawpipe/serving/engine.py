@@ -201,7 +201,7 @@ class Engine:
         version = self.policy_version + 1 if policy_version is None else int(policy_version)
         with self._cond:
             if self._pending_reload is not None:
-                raise RequestError("a reload is already in progress; retry when it has finished")
+                raise RequestError("a reload is already in progress; retry when it has finished", status=409)
             self._pending_reload = (model, version, fut, loop)
             self._cond.notify()
         new_version = await fut

@@ -19,7 +19,7 @@ from clawpipe.apis.sse import sse_frame
 from clawpipe.errors import ServingError
 from clawpipe.serving import convert
 from clawpipe.serving.engine import Engine
-from clawpipe.serving.params import RequestError, SamplingParams, TokenEvent, check_text_length
+from clawpipe.serving.params import RequestError, SamplingParams, ShuttingDown, TokenEvent, check_text_length
 from clawpipe.serving.response_store import ResponseStore
 from clawpipe.serving.splice import REQUEST_ROLLOUT, Prompt, TurnMemory, render_spliced
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
@@ -340,6 +340,10 @@ class Routes:
             return openai_error(why, status, "permission_error" if status == 403 else "invalid_request_error")
         try:
             new_version = await self.engine.reload(path, version)
+        except RequestError as exc:
+            return openai_error(str(exc), exc.status)
+        except ShuttingDown as exc:  # the weights were not swapped in: retry against a running server
+            return openai_error(str(exc), 503, "api_error")
         except ServingError as exc:
             return openai_error(str(exc))
         return JSONResponse({"status": "ok", "policy_version": new_version, "path": str(path)})

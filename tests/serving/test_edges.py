@@ -323,3 +323,47 @@ def test_legacy_echo_and_suffix_are_a_400_not_silently_ignored(server: Any) -> N
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "echo": False, "suffix": ""}, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+
+
+@pytest.mark.slow
+def test_a_reload_cut_by_shutdown_is_a_503_and_a_second_reload_meanwhile_a_409(policy_dir: Path) -> None:
+    """A reload waits for the running batch; a second one meanwhile is told a reload is in progress (409), and
+    stopping the server before the swap answers the first with a 503 (not swapped: retry elsewhere), not a 400
+    saying the request was wrong."""
+    import threading
+
+    from clawpipe.serving.server import start_server
+
+    handle = start_server(
+        policy_dir, device="cpu", admin_token="adm", max_model_len=4096, reload_roots=[str(policy_dir)]
+    )
+    auth = {"Authorization": "Bearer adm"}
+    answers: dict[str, httpx.Response] = {}
+
+    def call(name: str, path: str, body: dict[str, Any]) -> None:
+        try:
+            answers[name] = httpx.post(f"{handle.url}{path}", json=body, headers=auth, timeout=60)
+        except httpx.HTTPError:
+            pass  # the long request may be cut by the shutdown
+
+    long = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+    threads = [threading.Thread(target=call, args=("long", "/v1/completions", long))]
+    threads[0].start()
+    try:
+        deadline = time.monotonic() + 30
+        while not httpx.get(f"{handle.url}/health").json()["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for name in ("a", "b"):
+            threads.append(threading.Thread(target=call, args=(name, "/admin/reload", {"path": str(policy_dir)})))
+            threads[-1].start()
+        while not ({"a", "b"} & answers.keys()):  # one has its weights waiting; the other was turned away
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.02)
+    finally:
+        handle.stop()
+        for t in threads:
+            t.join(30)
+    turned_away, cut = sorted((answers["a"], answers["b"]), key=lambda r: r.status_code != 409)
+    assert turned_away.status_code == 409 and "already in progress" in turned_away.json()["error"]["message"]
+    assert cut.status_code == 503 and "shutting down" in cut.json()["error"]["message"], cut.text
