@@ -273,10 +273,19 @@ def register(app: typer.Typer) -> None:
     def saved_cmd() -> None:
         """List the saved queries (sql/analytics) and their parameters."""
         from clawpipe import sqlfiles
+        from clawpipe.errors import LakeError
         from clawpipe.lake.query import query_params, saved_names
 
+        broken = 0
         for name in saved_names():
-            text = sqlfiles.sql_text(f"analytics/{name}")
+            try:  # one file that does not parse is named, and the others are still listed
+                text = sqlfiles.sql_text(f"analytics/{name}")
+                params = ", ".join(f"${p}" for p in query_params(text)) or "-"
+            except LakeError as exc:
+                broken += 1
+                typer.secho(f"{name}  [cannot read: {str(exc).splitlines()[0]}]", err=True, fg="red")
+                continue
             first = next((ln[2:].strip() for ln in text.splitlines() if ln.startswith("--")), "")
-            params = ", ".join(f"${p}" for p in query_params(text)) or "-"
             typer.echo(f"{name}  [{params}]  {first}")
+        if broken:
+            raise typer.Exit(1)

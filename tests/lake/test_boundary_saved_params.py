@@ -140,3 +140,13 @@ def test_parameters_are_the_ones_duckdb_parses(lake: Path, sql_dir: Path) -> Non
     assert run_saved(lake, "commented", {"run_id": "42"}).column("n").to_pylist() == [2]
     listing = CliRunner().invoke(app, ["lake", "saved"])
     assert "commented  [$run_id]  rollouts of a run" in listing.output
+
+
+def test_a_saved_query_that_does_not_parse_is_named_and_the_others_still_listed(lake: Path, sql_dir: Path) -> None:
+    (sql_dir / "analytics" / "aaa_broken.sql").write_text("-- half written\nselect count(* from rollouts\n")
+    listing = CliRunner().invoke(app, ["lake", "saved"])
+    assert listing.exit_code == 1
+    assert "aaa_broken  [cannot read: Parser Error" in listing.output
+    assert "calls_tokens_per_rollout  [$iteration, $run_id]" in listing.output  # listed after the broken one
+    with pytest.raises(LakeError, match="Parser Error"):
+        run_saved(lake, "aaa_broken")
