@@ -4,10 +4,10 @@ the capture proxy, the engine, the lake, the trees and the trainer, with MLflow 
 Run A (max_staleness 1, a held-out evaluation after every step): batches overlap training (batch 1 starts
 before the first publish), every rollout and call lands once, no trained call is more than one version old,
 the staleness histogram and waits reach MLflow, and each evaluation runs beside the next step without
-keeping the trainer from taking its batch, while every evaluation call is served by the policy it evaluates. Run B (max_staleness
-0, killed after its first step, then resumed): the calls sampled before the last publish are dropped,
-counted by the step and by the trainer exactly as the lake counts them, and the resumed run loses and
-duplicates nothing.
+keeping the trainer from taking its batch, while every evaluation call is served by the policy it
+evaluates. Run B (max_staleness 0, killed after its first step, then resumed): the calls sampled before
+the last publish are dropped, counted by the step and by the trainer exactly as the lake counts them, and
+the resumed run loses and duplicates nothing.
 """
 
 from __future__ import annotations
