@@ -107,7 +107,7 @@ def test_bad_value_names_the_key_the_value_and_the_fix(tmp_path: Path, toml: str
 def test_enormous_counts_fail_at_once_naming_the_limit(tmp_path: Path, toml: str) -> None:
     start = time.monotonic()
     message = _error(tmp_path, toml)
-    assert time.monotonic() - start < 2.0  # refused by arithmetic, not after planning the rollouts
+    assert time.monotonic() - start < 10.0  # refused by arithmetic: planning 10^9 rollouts would take minutes
     assert "rollouts per iteration" in message and f"{MAX_ROLLOUTS_PER_ITERATION:,}" in message
     assert "lower groups, samples, eval_tasks or eval_samples" in message
 
