@@ -150,6 +150,9 @@ def parse_manifest(data: Mapping[str, Any], path: Path) -> HarnessManifest:
         task_sets = _expect(path, data, "task_sets", list, "a list of task set names")
         if not all(isinstance(t, str) and t for t in task_sets):
             raise _fail(path, "`task_sets` must be a list of task set names (strings)")
+        twice = sorted({t for t in task_sets if task_sets.count(t) > 1})
+        if twice:
+            raise _fail(path, f"`task_sets` names {', '.join(twice)} more than once; list each task set once")
     timeout_s = 60.0
     if "timeout_s" in data:
         timeout_s = float(_expect(path, data, "timeout_s", (int, float), "a number of seconds"))
@@ -295,6 +298,8 @@ def check_env(env: Any, where: str) -> dict[str, str]:
             raise ManifestError(f"{where} may not set {k}: the runner sets it for every harness")
         if not isinstance(v, str):
             raise ManifestError(f"{where} {k} must be a string, got {type(v).__name__} (quote it)")
+        if "\0" in v:  # no process can be started with it: every rollout would fail at launch
+            raise ManifestError(f"{where} {k} holds a NUL character; an environment value cannot carry one")
         out[k] = v
     return out
 

@@ -66,6 +66,8 @@ def test_good_manifest_loads_every_field(tmp_path: Path) -> None:
         ('name = "demo"\ncommand = ["x"]\n[resources]\ngpus = 1\n', "unknown [resources] key"),
         ('name = "demo"\ncommand = ["x"]\n[env]\nOPENAI_BASE_URL = "http://evil"\n', "may not set OPENAI_BASE_URL"),
         ('name = "demo"\ncommand = ["x"]\n[env]\nN = 3\n', "N must be a string"),
+        ('name = "demo"\ncommand = ["x"]\n[env]\nN = "a\\u0000b"\n', "N holds a NUL character"),
+        ('name = "demo"\ncommand = ["x"]\ntask_sets = ["guess", "calc", "guess"]\n', "names guess more than once"),
         ('name = "demo"\ncommand = ["./missing.sh"]\n', "is not a file"),
         ('name = "demo"\ncommand = ["x"]\nfiles = ["nope.txt"]\n', "does not exist"),
         ('name = "demo"\ncommand = [\n', "not valid TOML"),
