@@ -116,7 +116,9 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
-    epochs: int = Field(1, ge=1, description="Optimizer steps over the same batch (PPO epochs).")
+    epochs: int = Field(
+        1, ge=1, le=1000, description="Optimizer steps over the same batch (PPO epochs; at most 1,000)."
+    )
 
     # --- data and packing ------------------------------------------------------------------------------------
     tree_scope: Literal["group", "rollout"] = Field(

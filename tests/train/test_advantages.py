@@ -159,6 +159,8 @@ def test_config_errors_say_what_to_change(tmp_path):
         make_config(kl_coef=0.1)
     with pytest.raises(ConfigError, match="aggregation"):
         make_config(aggregation="sum")
+    with pytest.raises(ConfigError, match="epochs"):
+        make_config(epochs=10**9)  # would train one batch for ever
     p = tmp_path / "train.toml"
     p.write_text('[train]\nalgorithm = "ppo"\nlearning_rate = 3e-4\nharness_weights = {chat-loop = 2.0}\n')
     cfg = load_config(p, learning_rate=1e-3)
