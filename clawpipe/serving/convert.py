@@ -228,6 +228,10 @@ def _served(convert: Callable[[dict[str, Any]], T], body: dict[str, Any]) -> T:
         return convert(body)
     except RequestShapeError as exc:
         raise RequestError(str(exc)) from exc
+    except RecursionError as exc:  # tool-call arguments sent as a JSON string nested past what json parses
+        raise RequestError(
+            "a JSON string in the request (tool-call arguments) nests too deeply to parse; flatten it"
+        ) from exc
 
 
 def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -11,20 +11,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from clawpipe.apis.sse import sse_frame
 from clawpipe.errors import ServingError
 from clawpipe.serving import convert
+from clawpipe.serving.body import MAX_REQUEST_BYTES, json_body
 from clawpipe.serving.engine import Engine
 from clawpipe.serving.params import RequestError, SamplingParams, ShuttingDown, TokenEvent, check_text_length
 from clawpipe.serving.response_store import ResponseStore
 from clawpipe.serving.splice import REQUEST_ROLLOUT, Prompt, TurnMemory, render_spliced
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
-
-MAX_REQUEST_BYTES = 32 * 2**20  # Anthropic's own limit; tokenizing a body costs ~80x its size in memory
 
 
 @dataclass
@@ -357,40 +355,3 @@ async def _ending_in_error(gen: AsyncIterator[bytes], anthropic: bool) -> AsyncI
             yield chunk
     except ServingError as exc:
         yield sse(error_body(str(exc), "api_error", anthropic), "error" if anthropic else None)
-
-
-async def json_body(request: Request, max_bytes: int = MAX_REQUEST_BYTES) -> dict[str, Any]:
-    """The request's JSON object, or RequestError saying why not (orjson: strict UTF-8, no lone surrogates,
-    nesting bounded); a body over max_bytes is refused (413) as soon as its length says so, unread."""
-    try:
-        body = orjson.loads(await _body(request, max_bytes) or b"{}")
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    convert.check_common(body)
-    return body
-
-
-async def _body(request: Request, max_bytes: int) -> bytes:
-    """The body's bytes, read up to max_bytes: a declared or actual length past it raises a 413 RequestError."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():  # chunked bodies declare no length: count as they come
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(max_bytes: int) -> RequestError:
-    return RequestError(
-        f"the request body is over this server's limit of {max_bytes} bytes; send a shorter conversation "
-        "(the operator sets the limit: max_request_mb, default 32)",
-        status=413,
-        code="request_too_large",
-    )

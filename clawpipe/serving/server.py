@@ -33,17 +33,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawpipe.errors import ServingError
 from clawpipe.net import tcp_socket
 from clawpipe.serving.anthropic_routes import MessagesRoutes
+from clawpipe.serving.body import MAX_REQUEST_BYTES, json_body
 from clawpipe.serving.completions_routes import CompletionsRoutes
 from clawpipe.serving.engine import PREFILL_CHUNK, Engine, RequestError, ShuttingDown
 from clawpipe.serving.openai_routes import ChatRoutes
 from clawpipe.serving.responses_routes import ResponsesRoutes
 from clawpipe.serving.routes import (
-    MAX_REQUEST_BYTES,
     ServeOptions,
     anthropic_error,
     default_reload_roots,
     error_for_path,
-    json_body,
     openai_error,
 )
 from clawpipe.serving.splice import REQUEST_ROLLOUT, ROLLOUT_HEADER

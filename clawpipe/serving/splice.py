@@ -59,7 +59,7 @@ def _args(text: Any) -> Any:
     if isinstance(text, str):
         try:
             return json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text
     return text
 

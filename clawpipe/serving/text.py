@@ -143,6 +143,9 @@ class Detokenizer:
         return piece
 
 
+MAX_ARGS_DEPTH = 64  # nesting of a generated call's arguments; deeper ones stay text
+
+
 @dataclass
 class ToolCall:
     """One parsed tool call."""
@@ -188,9 +191,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _parse_call(body: str) -> ToolCall | None:
+    # RecursionError: a degenerate policy's "[[[[..." nests deeper than the parser recurses; it stays text
     try:
         obj = json.loads(body.strip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -198,11 +202,23 @@ def _parse_call(body: str) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
-    if not isinstance(args, dict):
-        return None
+    if not isinstance(args, dict) or nests_deeper(args, MAX_ARGS_DEPTH):
+        return None  # deep arguments would fail to encode in the response, as a 500
     return ToolCall(id=new_id("call_"), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether a JSON value nests objects and lists more than `limit` levels deep (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def may_hold_tool_call(text: str) -> int:

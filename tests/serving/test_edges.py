@@ -184,7 +184,8 @@ def small_body_server(policy_dir: Path) -> Iterator[Any]:
 
 
 def test_a_body_over_the_size_limit_is_a_413_in_each_apis_shape_before_it_is_read(small_body_server: Any) -> None:
-    from clawpipe.serving.routes import MAX_REQUEST_BYTES, ServeOptions
+    from clawpipe.serving.body import MAX_REQUEST_BYTES
+    from clawpipe.serving.routes import ServeOptions
 
     assert ServeOptions().max_request_bytes == MAX_REQUEST_BYTES == 32 * 2**20
     url = small_body_server.url
@@ -367,3 +368,73 @@ def test_a_reload_cut_by_shutdown_is_a_503_and_a_second_reload_meanwhile_a_409(p
     turned_away, cut = sorted((answers["a"], answers["b"]), key=lambda r: r.status_code != 409)
     assert turned_away.status_code == 409 and "already in progress" in turned_away.json()["error"]["message"]
     assert cut.status_code == 503 and "shutting down" in cut.json()["error"]["message"], cut.text
+
+
+NEST = [{"role": "user", "content": "Nest!"}]
+NEST_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def nesting_server(policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The tiny policy imprinted to answer NEST with '<tool_call>' and '[' over and over (a degenerate policy)."""
+    from clawpipe.serving.policy import TOOL_CALL_OPEN, imprint_policy, load_tokenizer
+    from clawpipe.serving.server import start_server
+
+    tok = load_tokenizer(policy_dir)
+    prompt = tok.apply_chat_template(
+        NEST, tools=NEST_TOOLS, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    completion = tok.encode(TOOL_CALL_OPEN + "[" * 64, add_special_tokens=False)
+    nest = imprint_policy(policy_dir, tmp_path_factory.mktemp("policy") / "nest", [(prompt, completion)])
+    handle = start_server(nest, device="cpu", served_name="tiny", max_model_len=4096)
+    yield handle
+    handle.stop()
+
+
+@pytest.mark.slow
+def test_generated_tool_call_json_nested_past_the_parser_stays_text(nesting_server: Any) -> None:
+    """'<tool_call>[[[[...' over 1,200 tokens nests deeper than Python's json recurses: the reply is that text
+    (finish length), not a 500 or a cut stream."""
+    body = {"messages": NEST, "tools": NEST_TOOLS, "max_tokens": 1200, "temperature": 0}
+    r = _post(nesting_server, "chat", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"].startswith("<tool_call>" + "[" * 1000) and choice["finish_reason"] == "length"
+    assert "tool_calls" not in choice["message"]
+    events = _stream_events(_post(nesting_server, "chat", {**body, "stream": True}).text)
+    streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert streamed == choice["message"]["content"] and events[-1]["choices"][0]["finish_reason"] == "length"
+    anthropic_tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    r = _post(nesting_server, "messages", {"messages": NEST, "tools": anthropic_tools, "max_tokens": 1200})
+    assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
+
+
+def test_a_body_or_an_arguments_string_nested_too_deep_is_a_400(server: Any) -> None:
+    deep = '{"a":' * 150 + "1" + "}" * 150
+    raw = (
+        '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata": ' + deep + "}"
+    )
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=raw.encode(), timeout=30)
+    assert r.status_code == 400 and "nests deeper than 100 levels" in _error("chat", r), r.text
+    tools = '[{"name": "f", "input_schema": ' + deep + "}]"
+    raw = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "tools": ' + tools + "}"
+    r = httpx.post(f"{server.url}/v1/messages", content=raw.encode(), timeout=30)
+    assert r.status_code == 400 and "nests deeper than 100 levels" in _error("messages", r), r.text
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 3000 + "]" * 3000}}
+    body = {"messages": [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]}], "max_tokens": 2}
+    r = _post(server, "chat", body)
+    assert r.status_code == 400 and "nests too deeply to parse" in _error("chat", r), r.text
+    item = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 3000 + "]" * 3000}
+    r = _post(server, "responses", {"input": [item], "max_output_tokens": 2})
+    assert r.status_code == 400 and "nests too deeply to parse" in _error("responses", r), r.text
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}}}}
+    fits = _post(
+        server,
+        "chat",
+        {
+            "messages": MSGS,
+            "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+        },
+    )
+    assert fits.status_code == 200, fits.text
