@@ -332,6 +332,13 @@ def load_model(
             f"cannot load a causal LM from {dir}: {type(exc).__name__}: {exc}; check that the checkpoint was "
             "completely written (config.json and model.safetensors)"
         ) from exc
+    # a diverged training step publishes NaN weights: served, every logprob would be NaN (invalid JSON, 500s)
+    bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise ServingError(
+            f"the checkpoint in {dir} has non-finite weights (NaN or inf) in {bad}; not loaded: publish a "
+            "checkpoint from before training diverged"
+        )
     return model.to(dev).eval()  # type: ignore[arg-type]
 
 

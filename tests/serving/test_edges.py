@@ -438,3 +438,38 @@ def test_a_body_or_an_arguments_string_nested_too_deep_is_a_400(server: Any) -> 
         },
     )
     assert fits.status_code == 200, fits.text
+
+
+def test_a_checkpoint_with_nan_weights_is_refused_and_serving_goes_on(policy_dir: Path, tmp_path: Path) -> None:
+    """A diverged training step publishes NaN weights; loaded, every response would carry NaN logprobs."""
+    import torch
+
+    from clawpipe.serving.policy import load_model, load_tokenizer
+    from clawpipe.serving.server import start_server
+
+    model = load_model(policy_dir, "cpu")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    diverged = tmp_path / "diverged"
+    model.save_pretrained(diverged)
+    load_tokenizer(policy_dir).save_pretrained(diverged)
+    handle = start_server(policy_dir, device="cpu", admin_token="adm", max_model_len=4096, reload_roots=[str(tmp_path)])
+    try:
+        r = httpx.post(
+            f"{handle.url}/admin/reload",
+            json={"path": str(diverged), "policy_version": 7},
+            headers={"Authorization": "Bearer adm"},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert "non-finite weights (NaN or inf) in model.layers.0.mlp.up_proj.weight" in r.json()["error"]["message"]
+        after = httpx.post(
+            f"{handle.url}/v1/chat/completions",
+            json={"messages": MSGS, "max_tokens": 3, "logprobs": True},
+            timeout=60,
+        )
+        body = _strict(after.text)
+        assert after.status_code == 200 and body["policy_version"] == 0
+        assert len(body["choices"][0]["logprobs"]["content"]) == 3
+    finally:
+        handle.stop()
