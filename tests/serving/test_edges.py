@@ -473,3 +473,13 @@ def test_a_checkpoint_with_nan_weights_is_refused_and_serving_goes_on(policy_dir
         assert len(body["choices"][0]["logprobs"]["content"]) == 3
     finally:
         handle.stop()
+
+
+def test_more_stop_strings_than_the_engine_searches_per_token_is_a_400(server: Any) -> None:
+    many = [f"zq{i:06d}" for i in range(100_000)]  # each would be searched after every token, for every request
+    r = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "stop": many})
+    assert r.status_code == 400 and "'stop' has 100000 strings; send at most 64" in _error("chat", r), r.text
+    r = _post(server, "messages", {"messages": MSGS, "max_tokens": 2, "stop_sequences": many[:65]})
+    assert r.status_code == 400 and "'stop_sequences' has 65 strings" in _error("messages", r), r.text
+    r = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "stop": many[:64]})
+    assert r.status_code == 200, r.text
