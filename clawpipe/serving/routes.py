@@ -34,6 +34,7 @@ class ServeOptions:
     max_tokens_cap: int | None = None  # clamp every request's max_tokens (CPU runs behind chatty harnesses)
     reload_roots: list[str] = field(default_factory=list)  # where /admin/reload may load from ('*': one level)
     responses_kept: int = 1024  # stored Responses kept for previous_response_id (most recent first)
+    responses_kept_bytes: int = 256 * 2**20  # ... and their JSON size, all together
     splice: bool = True  # carry the sampled ids of a rollout's earlier turns into its next prompts
     splice_rollouts: int = 256  # rollouts whose completions are kept for that (least recently used dropped)
     splice_tokens: int = 131072  # sampled ids kept per rollout (oldest completions dropped)
@@ -199,7 +200,7 @@ class Routes:
     def __init__(self, engine: Engine, options: ServeOptions) -> None:
         self.engine = engine
         self.options = options
-        self.responses_store = ResponseStore(options.responses_kept)
+        self.responses_store = ResponseStore(options.responses_kept, options.responses_kept_bytes)
         self.turns = TurnMemory(options.splice_rollouts, options.splice_tokens)
 
     # ------------------------------------------------------------ shared steps

@@ -223,7 +223,7 @@ def _open_engine(
     """The engine, the route options (admin token resolved) and a socket bound to host:port, for one server.
 
     kwargs: Engine options plus ServeOptions (admin_token, default_max_tokens, max_tokens_cap, splice,
-    max_request_mb).
+    max_request_mb, responses_kept, responses_kept_mb).
     """
     engine_kwargs = dict(kwargs)
     request_mb = engine_kwargs.pop("max_request_mb", None)
@@ -233,6 +233,7 @@ def _open_engine(
         max_tokens_cap=engine_kwargs.pop("max_tokens_cap", None),
         reload_roots=_reload_roots(engine_kwargs.pop("reload_roots", None)),
         responses_kept=engine_kwargs.pop("responses_kept", 1024),
+        responses_kept_bytes=int(engine_kwargs.pop("responses_kept_mb", 256) * 2**20),
         splice=engine_kwargs.pop("splice", True),
         max_request_bytes=int(request_mb * 2**20) if request_mb else MAX_REQUEST_BYTES,
     )

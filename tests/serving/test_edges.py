@@ -483,3 +483,33 @@ def test_more_stop_strings_than_the_engine_searches_per_token_is_a_400(server: A
     assert r.status_code == 400 and "'stop_sequences' has 65 strings" in _error("messages", r), r.text
     r = _post(server, "chat", {"messages": MSGS, "max_tokens": 2, "stop": many[:64]})
     assert r.status_code == 200, r.text
+
+
+def test_stored_responses_stay_within_their_byte_budget(policy_dir: Path) -> None:
+    """Items the template never renders (a reasoning item's encrypted content) are kept for
+    previous_response_id all the same; the store holds at most its byte budget (1 MB here), oldest out first,
+    and an entry larger than the whole budget is not kept."""
+    from clawpipe.serving.server import start_server
+
+    handle = start_server(policy_dir, device="cpu", max_model_len=4096, responses_kept_mb=1)
+
+    def respond(blob: int, previous: str | None = None) -> httpx.Response:
+        items = [
+            {"type": "reasoning", "encrypted_content": "x" * blob, "summary": []},
+            {"role": "user", "content": "hi"},
+        ]
+        body = {"input": items, "max_output_tokens": 2, "previous_response_id": previous}
+        return httpx.post(f"{handle.url}/v1/responses", json=body, timeout=60)
+
+    try:
+        ids = [respond(400_000).json()["id"] for _ in range(3)]
+        first = respond(10, ids[0])
+        assert first.status_code == 400 and first.json()["error"]["code"] == "previous_response_not_found"
+        assert "up to 1 MB" in first.json()["error"]["message"]
+        assert respond(10, ids[2]).status_code == 200  # the latest two fit
+        huge = respond(1_200_000)
+        assert huge.status_code == 200
+        later = respond(10, huge.json()["id"])
+        assert later.status_code == 400 and later.json()["error"]["code"] == "previous_response_not_found"
+    finally:
+        handle.stop()
