@@ -513,3 +513,46 @@ def test_stored_responses_stay_within_their_byte_budget(policy_dir: Path) -> Non
         assert later.status_code == 400 and later.json()["error"]["code"] == "previous_response_not_found"
     finally:
         handle.stop()
+
+
+def test_streams_whose_clients_hang_up_free_their_rows_in_every_api(policy_dir: Path) -> None:
+    """Twenty streams over the four APIs, cut at once after their first events: their rows leave the batch and
+    the engine serves the next request."""
+    import socket
+
+    from clawpipe.serving.server import start_server
+
+    handle = start_server(policy_dir, device="cpu", max_model_len=4096)
+    port = int(handle.url.rsplit(":", 1)[1])
+    long = {"ignore_eos": True, "stream": True, "temperature": 0}
+    bodies = [
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3000, **long}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 3000, **long}),
+        ("/v1/messages", {"messages": MSGS, "max_tokens": 3000, **long}),
+        ("/v1/completions", {"prompt": ["hi", "yo"], "max_tokens": 3000, **long}),
+    ]
+
+    def open_stream(path: str, body: dict[str, Any]) -> socket.socket:
+        data = json.dumps(body).encode()
+        sock = socket.create_connection(("127.0.0.1", port))
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        sock.sendall(head.encode() + b"\r\n" + data)
+        got = b""
+        while got.count(b"\n\n") < 2:  # the headers and the first events: admitted and generating
+            got += sock.recv(65536)
+        return sock
+
+    try:
+        socks = [open_stream(path, body) for _ in range(5) for path, body in bodies]
+        assert httpx.get(f"{handle.url}/health").json()["running"] > 0
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{handle.url}/health").json())["running"] or health["waiting"]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.05)
+        assert health["stats"]["tokens"] < 25 * 3000 // 2  # nobody's rows ran on to max_tokens
+        after = httpx.post(f"{handle.url}/v1/chat/completions", json={"messages": MSGS, "max_tokens": 3}, timeout=30)
+        assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) == 3
+    finally:
+        handle.stop()
