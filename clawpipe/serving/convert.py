@@ -188,8 +188,10 @@ def sampling(
 
 # content parts a text-only model cannot take in (chat, Responses and Anthropic spellings): refused with a 400
 # rather than dropped, so a client never gets an answer to a prompt it did not send
-MEDIA_PARTS = {"image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file"}
-MEDIA_PARTS |= {"document", "image_file"}
+MEDIA_PARTS = {
+    *("image_url", "input_image", "image", "image_file", "document"),
+    *("input_audio", "audio_url", "video_url", "file", "input_file"),
+}
 TEXT_PARTS = {"text", "input_text", "output_text"}
 
 
