@@ -35,14 +35,27 @@ MS_NOSUID, MS_NODEV = 0x2, 0x4
 MNT_DETACH = 0x2
 MOUNT_SOURCE = "clawpipe-rollout"
 FULL_SLACK_BYTES = 256 * 1024  # less than this left on the tmpfs when the harness ended: it ran out
+FULL_SLACK_INODES = 8
+INODES_PER_MB = 256  # a tmpfs's default inode count follows the host's RAM, not its size
+MIN_INODES = 4096
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _warned = False
 
 
+def quota_inodes(disk_mb: int) -> int:
+    """How many files and folders a rollout folder of ``disk_mb`` may hold.
+
+    Empty files take no blocks, so without this cap a few MB of quota held millions of them, each one
+    walked by the host when it scrubs the work dir (and copied to disk for kept work dirs).
+    """
+    return max(MIN_INODES, disk_mb * INODES_PER_MB)
+
+
 def mount_quota(folder: Path, disk_mb: int) -> bool:
-    """Mount a ``disk_mb`` tmpfs on the (existing, empty) ``folder``; False where mounting is not allowed."""
+    """Mount a ``disk_mb`` tmpfs holding at most :func:`quota_inodes` entries on the (existing, empty)
+    ``folder``; False where mounting is not allowed."""
     global _warned
-    opts = f"size={disk_mb}m,mode=0755".encode()
+    opts = f"size={disk_mb}m,nr_inodes={quota_inodes(disk_mb)},mode=0755".encode()
     source = f"{MOUNT_SOURCE}-{os.getpid()}".encode()
     if _libc.mount(source, os.fsencode(folder), b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0:
         return True
@@ -113,14 +126,24 @@ def used_bytes(folder: Path) -> int:
 
 
 def over_quota(folder: Path, disk_mb: int, killed_by: int | None = None) -> bool:
-    """Whether the rollout ran out of its quota: its tmpfs is (nearly) full, or, without one, the folder
-    holds more than ``disk_mb`` or the harness was killed for a file over RLIMIT_FSIZE."""
+    """Whether the rollout ran out of its quota: its tmpfs is (nearly) full of bytes or of files, or,
+    without one, the folder holds more than ``disk_mb`` or the harness was killed for a file over
+    RLIMIT_FSIZE."""
     if killed_by == signal.SIGXFSZ:
         return True
     if os.path.ismount(folder):
-        st = os.statvfs(folder)
-        return st.f_bavail * st.f_frsize < FULL_SLACK_BYTES
+        return out_of_space(folder) or out_of_inodes(folder)
     return used_bytes(folder) > disk_mb << 20
+
+
+def out_of_space(folder: Path) -> bool:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize < FULL_SLACK_BYTES
+
+
+def out_of_inodes(folder: Path) -> bool:
+    """Whether the rollout folder's tmpfs has (nearly) no file left to create."""
+    return os.path.ismount(folder) and os.statvfs(folder).f_favail < FULL_SLACK_INODES
 
 
 def release(folder: Path, keep: bool = False) -> None:

@@ -32,7 +32,16 @@ from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Ou
 from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
 from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
-from clawpipe.sandbox.quota import mount_quota, over_quota, release, sweep_stale_mounts
+from clawpipe.sandbox.quota import (
+    INODES_PER_MB,
+    MIN_INODES,
+    mount_quota,
+    out_of_inodes,
+    over_quota,
+    quota_inodes,
+    release,
+    sweep_stale_mounts,
+)
 from clawpipe.sandbox.rollout import (
     ProgressFn,
     RolloutResult,
@@ -164,6 +173,12 @@ class _Batch:
                     result.error = (
                         f"work dir and logs reached the disk quota ([resources] disk_mb = {manifest.limits.disk_mb})"
                     )
+                    if out_of_inodes(rdir):  # many empty files fill no bytes: say which limit it was
+                        result.error = (
+                            f"work dir and logs reached the disk quota's limit of "
+                            f"{quota_inodes(manifest.limits.disk_mb)} files ([resources] disk_mb = "
+                            f"{manifest.limits.disk_mb}; {INODES_PER_MB} files per MB, at least {MIN_INODES})"
+                        )
                 if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a
                     result.status = RolloutStatus.infra_error  # retry would flood again, so it is not retried
                 result.stderr_tail = tail(rdir / "stderr.log")

@@ -13,6 +13,7 @@ from clawpipe.errors import ManifestError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox import runner as runner_module
 from clawpipe.sandbox.limits import Limits
+from clawpipe.sandbox.quota import quota_inodes
 from tests.sandbox.support import URLLIB_HARNESS, EchoTaskSet, Upstream, make_harness
 
 FILL_WORKDIR = """
@@ -41,6 +42,18 @@ import os
 for i in range(40):
     with open(os.path.join(os.environ["CLAWPIPE_WORKDIR"], f"part{i}.bin"), "wb") as f:
         f.write(b"z" * (1 << 20))
+"""
+
+EMPTY_FILES = """
+import os, sys
+made = 0
+try:
+    for i in range(20000):
+        os.close(os.open(os.path.join(os.environ["CLAWPIPE_WORKDIR"], f"e{i}"), os.O_CREAT | os.O_WRONLY))
+        made += 1
+except OSError as exc:
+    print(f"stopped after {made} files: {exc}", file=sys.stderr)
+print(f"made {made}", file=sys.stderr)
 """
 
 
@@ -83,6 +96,21 @@ def test_writing_past_the_quota_is_disk_quota_and_the_neighbour_is_unaffected(
     # 64 MiB written twice, none of it on the host's disk (the margin absorbs other processes' writes)
     assert free - disk_free(tmp_path) < 32 << 20
     assert not [p for p in (tmp_path / "scratch").rglob("*") if p.name == "work"]  # unmounted and removed
+
+
+@pytest.mark.sandbox
+def test_empty_files_past_the_inode_share_are_disk_quota(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    """Empty files take no blocks: without an inode cap, 16 MB of quota held millions of them (each one charged
+    to the host-side walk that scrubs the work dir, and copied to disk for --keep-workdirs)."""
+    quota = {"disk_mb": 16}
+    many = load_manifest(make_harness(tmp_path / "h", "many", EMPTY_FILES, resources=quota))
+    normal = load_manifest(make_harness(tmp_path / "h", "normal", URLLIB_HARNESS, resources=quota))
+    res = run(tmp_path, upstream, echo, "bwrap", [many, normal])
+    assert [r.status for r in res] == ["disk_quota", "succeeded"], [r.stderr_tail[-300:] for r in res]
+    made = int(res[0].stderr_tail.rsplit("made ", 1)[1].split()[0])
+    assert made <= quota_inodes(16) and "No space left on device" in res[0].stderr_tail
+    assert f"limit of {quota_inodes(16)} files" in res[0].error
+    assert res[1].reward == 1.0
 
 
 @pytest.mark.parametrize("backend", ["process", pytest.param("bwrap", marks=pytest.mark.sandbox)])
