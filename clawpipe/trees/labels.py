@@ -8,6 +8,7 @@ label their rollout's own tree gives them (:func:`group_labels`): rollouts do no
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,13 +35,16 @@ class LabelContext:
     group_scope: bool
 
 
-def _lineage_continues(ctx: LabelContext, refs: list[int], e: int) -> bool:
-    """Whether a sequence ranked after e still passes through one of ``refs`` (interleaving; rollout scope)."""
-    for j in range(e + 1, len(ctx.end_node)):
-        v = ctx.end_node[j]
-        if any(y <= v < y + ctx.size[y] for y in refs):
-            return True
-    return False
+def _latest_through(ctx: LabelContext) -> list[int]:
+    """The latest sequence (rank) ending in each node's subtree, -1 where none; bottom-up over preorder ids."""
+    latest = [-1] * len(ctx.par)
+    for j, v in enumerate(ctx.end_node):
+        latest[v] = j  # ranks ascend, so the last one written is the latest
+    for v in range(len(ctx.par) - 1, -1, -1):
+        p = ctx.par[v]
+        if p >= 0 and latest[v] > latest[p]:
+            latest[p] = latest[v]
+    return latest
 
 
 def _re_encodes(seqs: TreeSequences, g: int, e: int, d: int) -> bool:
@@ -89,29 +93,38 @@ def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     kids: dict[int, list[int]] = {}
     for v in range(n):
         kids.setdefault(par[v], []).append(v)
+    latest = _latest_through(ctx)
     for p, ch in kids.items():
         if len(ch) < 2:
             continue
         ch.sort(key=earliest.__getitem__)
         parent_first = min(earliest[c] for c in ch) if p < 0 else earliest[p]
+        # What the earlier siblings (the references) hold, kept up to date as each sibling joins them, so
+        # a parent with k children costs O(k log k) rather than O(k^2) (thousands of history rewrites).
+        ref_gens: list[int] = []  # sorted generators of the references
+        ref_calls: set[int] = set()  # calls that generated a reference
+        ref_latest = -1  # the latest sequence through any reference
         for i in range(1, len(ch)):
+            y = ch[i - 1]
+            if gens[y] >= 0:
+                bisect.insort(ref_gens, gens[y])
+                ref_calls.add(seqs.call[gens[y]])
+            ref_latest = max(ref_latest, latest[y])
             x = ch[i]
             e = earliest[x]
             cause_seq[x] = e
             if ctx.group_scope:
                 cause[x] = ROLLOUT
                 continue
-            refs = ch[:i]
             d = starts[x]
             if gens[x] == e:  # e's own first token here is generated (a later call may generate it otherwise)
-                same_call = any(gens[y] >= 0 and seqs.call[gens[y]] == seqs.call[e] for y in refs)
-                cause[x] = CHOICE if same_call else RETRY
+                cause[x] = CHOICE if seqs.call[e] in ref_calls else RETRY
                 continue
             # only a completion made before e's call can be re-encoded or dropped by e's prompt; tokens a
             # later call generates were context when e was sent
-            gen_refs = [gens[y] for y in refs if 0 <= gens[y] < e]
-            if gen_refs:
-                g = max(gen_refs)  # the latest generating call among the references
+            k = bisect.bisect_left(ref_gens, e)
+            if k:
+                g = ref_gens[k - 1]  # the latest generating call among the references
                 if _re_encodes(seqs, g, e, d):
                     cause[x] = DRIFT
                     drift_seq[x] = g
@@ -120,7 +133,8 @@ def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 continue
             near_start = 2 * d < seqs.plen[parent_first]
             fork = p >= 0 and ctx.ends_at[p] > 0  # both continue a finished call: its lineage forked
-            cause[x] = SUBAGENT if near_start or fork or _lineage_continues(ctx, refs, e) else REWRITE
+            # interleaving: a sequence ranked after e still passes through a reference
+            cause[x] = SUBAGENT if near_start or fork or ref_latest > e else REWRITE
     return cause, cause_seq, drift_seq
 
 
