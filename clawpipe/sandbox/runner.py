@@ -60,6 +60,7 @@ from clawpipe.sandbox.workdir import (
     tail,
 )
 from clawpipe.schemas import RolloutStatus
+from clawpipe.tasks.base import harness_view
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class _Batch:
         work = rdir / "work"
         (work / "out").mkdir(parents=True)
         (work / "home").mkdir()
-        (rdir / "task.json").write_text(json.dumps(spec.task))
+        (rdir / "task.json").write_text(json.dumps(harness_view(spec.task)))  # data.hidden stays here
         (rdir / "task.json").chmod(0o644)
         self.task_set(spec.task["task_set"]).prepare(spec.task, work)
         if self.backend.name != "process":

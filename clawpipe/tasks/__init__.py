@@ -6,7 +6,8 @@ A task set (docs/ARCHITECTURE.md, contract C) has a ``name`` and three methods:
   keys ``task_set``, ``task_id`` (unique within one call), ``prompt``, ``data`` (task-specific, may hold the
   secret the harness needs to play the environment), ``max_turns`` and ``sampling`` (defaults the harness
   passes to the model, e.g. ``{"temperature": 1.0, "max_tokens": 16}``). Splits "train" and "eval" never
-  share an instance.
+  share an instance. ``data["hidden"]`` is for the verifier alone: the runner leaves it out of the task
+  file a harness reads (:func:`harness_view`).
 - ``prepare(task, workdir)``: writes starting files into a fresh work dir (file-based tasks; no-op otherwise).
 - ``verify(task, workdir) -> (reward, reward_info)``: runs on the host after the harness exits; reward in
   [0, 1]; never raises on missing or garbage output (reward 0 and ``reward_info["reason"]``). It only reads
@@ -39,6 +40,7 @@ from clawpipe.tasks.base import (
     SPLITS,
     TRANSCRIPT,
     WorkdirFileError,
+    harness_view,
     load_task,
     read_transcript,
     read_workdir_file,
@@ -55,6 +57,7 @@ __all__ = [
     "TaskSet",
     "WorkdirFileError",
     "get_task_set",
+    "harness_view",
     "list_task_sets",
     "load_task",
     "needs_sandbox",

@@ -28,6 +28,7 @@ MAX_TRANSCRIPT_BYTES = 4 * 1024 * 1024
 MAX_TRANSCRIPT_DEPTH = 64
 EVAL_SHARE = 5  # one instance key in EVAL_SHARE goes to the eval split
 TASK_KEYS: dict[str, type] = {"task_set": str, "task_id": str, "prompt": str, "data": dict, "max_turns": int}
+HIDDEN = "hidden"  # task["data"]["hidden"]: for the verifier alone, never written where a harness can read it
 
 
 def split_of(task_set: str, key: str) -> str:
@@ -94,6 +95,15 @@ def validate_task(task: Any, where: str = "task") -> dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise ManifestError(f"{where}: not plain JSON (no NaN, no objects): {exc}") from exc
     return task
+
+
+def harness_view(task: dict[str, Any]) -> dict[str, Any]:
+    """The task as a harness gets it (its task file): a copy without ``data["hidden"]``, which holds what
+    only the verifier may know (e.g. fixit's held-out cases, which a solution could otherwise look up)."""
+    data = task.get("data")
+    if not isinstance(data, dict) or HIDDEN not in data:
+        return task
+    return {**task, "data": {k: v for k, v in data.items() if k != HIDDEN}}
 
 
 def load_task(path: str | Path) -> dict[str, Any]:

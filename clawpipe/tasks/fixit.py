@@ -1,7 +1,10 @@
 """``fixit``: a small Python program in the work dir fails its check; the model must fix it.
 
-``prepare`` writes ``solution.py`` (one function with a planted bug) and ``check.py`` (runs the cases and
-prints what failed; the harness may run it inside its own sandbox).
+``prepare`` writes ``solution.py`` (one function with a planted bug) and ``check.py`` (runs the shown cases,
+``data.cases``, and prints what failed; the harness may run it inside its own sandbox). The verifier also
+calls the function on held-out cases (``data.hidden.cases``), which the runner leaves out of the task file
+a harness reads: a solution that returns the shown answers from a table, without fixing the bug, fails
+them.
 
 Transcript contract: none. ``fixit`` is file-based: a turn is whatever the harness does with one model
 call (read a file, edit ``solution.py``, run the check); the verifier reads no transcript, ``answer`` and
@@ -43,6 +46,7 @@ MAX_SOLUTION_BYTES = 64 * 1024
 MAX_VALUE_CHARS = 64 * 1024  # one case's result, as JSON text
 N_VARIANTS = 50
 SHOWN_FAILURES = 3
+HELD_OUT_DRAWS = 50
 
 
 def _ints(rng: random.Random, k: int, lo: int = -50, hi: int = 50) -> list[int]:
@@ -97,6 +101,17 @@ _TEMPLATES: dict[str, tuple[tuple[str, ...], str, Any]] = {
         lambda rng: [[[s], " ".join(reversed(s.split()))] for s in (_words(rng, 3) for _ in range(4))],
     ),
 }
+
+
+def _held_out(rng: random.Random, cases_of: Any, shown: list[Any]) -> list[Any]:
+    """Cases for the verifier alone, at least one on arguments the shown cases lack: a solution that looks
+    up the shown answers (check.py holds them) instead of fixing the bug fails them."""
+    seen = {json.dumps(args) for args, _ in shown}
+    for _ in range(HELD_OUT_DRAWS):
+        cases: list[Any] = cases_of(rng)
+        if any(json.dumps(args) not in seen for args, _ in cases):
+            return cases
+    raise ManifestError("fixit could not draw a held-out case unlike the shown ones")  # a template too narrow
 
 
 def _factorial(n: int) -> int:
@@ -199,11 +214,13 @@ def _short(value: Any, limit: int = 200) -> str:
 
 
 def _cases_of(task: dict[str, Any]) -> tuple[str, list[tuple[list[Any], Any]]]:
-    """(function, [(arguments, expected)]) of a task; ManifestError when the task data is not usable."""
+    """(function, [(arguments, expected)]) of a task, the held-out cases (``data.hidden.cases``, absent in
+    tasks made before them) after the shown ones; ManifestError when the task data is not usable."""
     try:
         data = task["data"]
         function = data["function"]
-        cases = [(list(args), expected) for args, expected in data["cases"]]
+        hidden = data.get("hidden", {}).get("cases", [])
+        cases = [(list(args), expected) for args, expected in [*data["cases"], *hidden]]
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(f"fixit task lacks data.function/data.cases ([[args], expected] pairs): {exc}") from exc
     if not isinstance(function, str) or not function.isidentifier() or not cases:
@@ -226,6 +243,7 @@ class FixitTaskSet:
             rng = random.Random(f"{NAME}:{key.split('~')[0]}")
             functions, body, cases_of = _TEMPLATES[template]
             function = rng.choice(functions)
+            cases = cases_of(rng)
             tasks.append(
                 {
                     "task_set": NAME,
@@ -236,7 +254,8 @@ class FixitTaskSet:
                         "template": template,
                         "function": function,
                         "files": {SOLUTION: body.format(f=function)},
-                        "cases": cases_of(rng),
+                        "cases": cases,
+                        "hidden": {"cases": _held_out(rng, cases_of, cases)},
                     },
                     "max_turns": MAX_TURNS,
                     "sampling": dict(SAMPLING),

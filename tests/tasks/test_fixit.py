@@ -88,9 +88,10 @@ def test_the_sandboxed_check_holds_arguments_never_expected_values() -> None:
     program = FIXIT.check_program(task)
     assert program.inputs == ("solution.py",)
     text = program.files["check.py"]
-    arguments = [args for args, _ in task["data"]["cases"]]
+    cases = task["data"]["cases"] + task["data"]["hidden"]["cases"]
+    arguments = [args for args, _ in cases]
     assert json.dumps(json.dumps(arguments)) in text
-    assert json.dumps(json.dumps(task["data"]["cases"])) not in text
+    assert json.dumps(json.dumps(cases)) not in text
 
 
 def document(*values: Any) -> CheckRun:
@@ -99,7 +100,7 @@ def document(*values: Any) -> CheckRun:
 
 def test_score_compares_plain_values_it_holds_itself() -> None:
     task = add_task()
-    expected = [e for _, e in task["data"]["cases"]]
+    expected = [e for _, e in task["data"]["cases"] + task["data"]["hidden"]["cases"]]
     assert FIXIT.score(task, document(*expected))[0] == 1.0
     assert FIXIT.score(task, document(*[float(e) for e in expected]))[0] == 1.0  # 3.0 is 3, as in Python
     forged: dict[str, CheckRun] = {

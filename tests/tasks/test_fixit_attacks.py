@@ -230,7 +230,7 @@ def test_the_verifying_process_held_the_secrets(verified: dict[str, Any]) -> Non
 
 def test_the_honest_wrong_attempt_scores_zero(verified: dict[str, Any]) -> None:
     reward, info = verified["results"]["honest-wrong"]
-    assert reward == 0.0 and info["reason"] == "0/5 cases passed"
+    assert reward == 0.0 and info["reason"] == "0/10 cases passed"  # 5 shown, 5 held out
 
 
 @pytest.mark.parametrize("attack", list(ATTACKS))

@@ -75,7 +75,7 @@ def test_the_runner_checks_fixit_in_a_fresh_bwrap_sandbox(tmp_path: Path) -> Non
     assert not marker.exists()  # the solution ran, but not on the host
     for r in (honest, attack):
         assert str(tmp_path) not in (r.reward_info or "")  # no host path in what is stored
-    assert json.loads(attack.reward_info)["reason"] == "0/5 cases passed"
+    assert json.loads(attack.reward_info)["reason"] == "0/10 cases passed"  # 5 shown, 5 held out
 
 
 def test_the_process_backend_refuses_fixit_before_anything_runs(tmp_path: Path) -> None:
