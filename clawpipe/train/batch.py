@@ -22,6 +22,10 @@ from clawpipe.train.data import RolloutInfo, TrainSequence, TrainTree
 
 log = logging.getLogger(__name__)
 
+# Largest reward magnitude trained on: advantages reach at most 4x the group's reward spread (leave-one-out
+# or local + global tree terms, 2x each), so 16x this stays inside float32.
+REWARD_LIMIT = float(np.finfo(np.float32).max) / 16
+
 
 @dataclass
 class Contributions:
@@ -88,18 +92,31 @@ def build_batch(
     used = {s.rollout_id for t in trees for s in t.sequences}
     rewards = {r: float(rollouts[r].reward) for r in used}
     keys = {r: adv_mod.group_key(rollouts[r], config.group_by) for r in used}
+    # Advantages and returns are float32 on the device: one group's reward beyond REWARD_LIMIT (finite in the
+    # lake's float64) could make them inf and the whole step's loss NaN, so that group is left out alone.
+    out_of_range = {keys[r] for r, v in rewards.items() if abs(v) > REWARD_LIMIT}
+    if out_of_range:
+        log.warning(
+            "%d group(s) left out: a reward beyond +-%.3g (float32 advantages would overflow), e.g. %s",
+            len(out_of_range),
+            REWARD_LIMIT,
+            sorted(out_of_range)[:3],
+        )
+        rewards = {r: v for r, v in rewards.items() if keys[r] not in out_of_range}
     moments = adv_mod.group_moments(rewards, keys)
     if rewards:
         all_r = np.asarray(list(rewards.values()))
         stats["reward/mean"], stats["reward/std"] = float(all_r.mean()), float(all_r.std())
-        for h in sorted({rollouts[r].harness for r in used}):
+        for h in sorted({rollouts[r].harness for r in rewards}):
             hr = np.asarray([v for r, v in rewards.items() if rollouts[r].harness == h])
             stats[f"reward/mean/{h}"], stats[f"reward/std/{h}"] = float(hr.mean()), float(hr.std())
-    skip_groups = set()
+    skip_groups: set[str] = set()
     if config.algorithm == "grpo":
         skip_groups = {k for k, (_, std, n) in moments.items() if n < 2 or std < 1e-8}
-    stats["groups"] = len(moments)
+    stats["groups"] = len(moments) + len(out_of_range)
     stats["groups_skipped_zero_variance"] = len(skip_groups)
+    stats["groups_skipped_reward_range"] = len(out_of_range)
+    skip_groups |= out_of_range
 
     kept: list[TrainTree] = []
     no_gen = 0
