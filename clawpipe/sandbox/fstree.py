@@ -186,15 +186,24 @@ def remove_tree(root: Path, *, missing_ok: bool = True) -> None:
     os.rmdir(root)
 
 
-def copy_tree(src: Path, dst: Path, *, keep: Callable[[Entry], bool] | None = None) -> None:
+def copy_tree(
+    src: Path, dst: Path, *, keep: Callable[[Entry], bool] | None = None, max_bytes: int | None = None
+) -> int:
     """Copy ``src`` into a new folder ``dst``: directories, regular files (mode kept) and symlinks (as links),
     with their owners when run as root.
 
     Other kinds (FIFOs, sockets, devices) are left out, and so is any entry ``keep`` rejects. Any depth.
+    A file's further names stay hard links to its one copy, and regular files are copied only while their
+    sizes total at most ``max_bytes``: links and holes fill no quota, so a plain copy of a full tree could
+    take any multiple of it. Returns how many files were left out for the budget.
     """
     owners = os.geteuid() == 0
     os.mkdir(dst, 0o700)
+    budget = max_bytes
+    left_out = 0
+    copies: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) of a multiply linked source -> its copy's path
     stack = _Stack([src, dst])
+    root_fd = os.open(dst, _DIR_FLAGS)
     try:
         while stack.frames:
             frame = stack.top
@@ -222,17 +231,41 @@ def copy_tree(src: Path, dst: Path, *, keep: Callable[[Entry], bool] | None = No
             elif stat.S_ISLNK(st.st_mode):
                 os.symlink(os.readlink(name, dir_fd=s_fd), name, dir_fd=d_fd)
             elif stat.S_ISREG(st.st_mode):
+                ident = (st.st_dev, st.st_ino)
+                if ident in copies and _link_copy(copies[ident], root_fd, name, d_fd):
+                    continue
+                if budget is not None and st.st_size > budget:
+                    left_out += 1
+                    continue
                 _copy_file(name, s_fd, d_fd, stat.S_IMODE(st.st_mode))
+                if budget is not None:
+                    budget -= st.st_size
+                if st.st_nlink > 1:
+                    copies[ident] = "/".join([*(f.name for f in stack.frames[1:]), name])
             else:
                 continue
             if owners:
                 os.chown(name, st.st_uid, st.st_gid, dir_fd=d_fd, follow_symlinks=False)
     finally:
+        os.close(root_fd)
         stack.close()
     top = os.stat(src)
     os.chmod(dst, stat.S_IMODE(top.st_mode) | 0o700)
     if owners:
         os.chown(dst, top.st_uid, top.st_gid)
+    return left_out
+
+
+def _link_copy(first: str, root_fd: int, name: str, d_fd: int) -> bool:
+    """Make ``name`` another name of the copy at ``first`` (relative to the copy's root); False where the path
+    is too long for the kernel (a very deep tree), and the file is copied instead."""
+    try:
+        os.link(first, name, src_dir_fd=root_fd, dst_dir_fd=d_fd, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        return False
+    return True
 
 
 def _copy_file(name: str, s_fd: int, d_fd: int, mode: int) -> None:

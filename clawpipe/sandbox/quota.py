@@ -148,7 +148,8 @@ def out_of_inodes(folder: Path) -> bool:
 
 def release(folder: Path, keep: bool = False) -> None:
     """Free a rollout folder: unmount its tmpfs and remove it; with ``keep``, its contents stay at the same
-    path on disk (copied out of the tmpfs first)."""
+    path on disk (copied out of the tmpfs first, hard links kept as links, files past the bytes the tmpfs
+    held left out)."""
     if not os.path.ismount(folder):
         if not keep:
             remove_tree(folder)
@@ -156,7 +157,12 @@ def release(folder: Path, keep: bool = False) -> None:
     if keep:
         staging = folder.with_name(f".{folder.name}.keep")
         remove_tree(staging)
-        copy_tree(folder, staging)
+        # No more than the tmpfs held: hard links and holes would otherwise multiply on the host's disk.
+        left_out = copy_tree(folder, staging, max_bytes=used_bytes(folder))
+        if left_out:
+            logger.warning(
+                "kept %s without %d files past the %d bytes its tmpfs held", folder, left_out, used_bytes(folder)
+            )
         unmount_quota(folder)
         os.rmdir(folder)
         os.rename(staging, folder)

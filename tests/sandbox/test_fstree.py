@@ -108,6 +108,21 @@ def test_copy_keeps_modes_links_and_leaves_out_fifos(tmp_path: Path) -> None:
     assert not (dst / "pipe").exists()
 
 
+def test_copy_keeps_hard_links_and_stops_at_its_byte_budget(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a" * 1000)
+    for i in range(50):
+        os.link(src / "a", src / f"a{i}")
+    (src / "b").write_bytes(b"b" * 3000)  # over what is left of the budget after "a"
+    (src / "c").write_bytes(b"c" * 500)
+    left_out = copy_tree(src, tmp_path / "dst", max_bytes=2000)
+    dst = tmp_path / "dst"
+    assert {(dst / f"a{i}").stat().st_ino for i in range(50)} == {(dst / "a").stat().st_ino}
+    assert (dst / "a").read_bytes() == b"a" * 1000 and (dst / "c").read_bytes() == b"c" * 500
+    assert not (dst / "b").exists() and left_out == 1
+
+
 def test_a_parked_ancestor_swapped_during_the_walk_is_an_error(tmp_path: Path) -> None:
     make_deep(tmp_path, KEEP_FDS + 10)
     it = walk(tmp_path)

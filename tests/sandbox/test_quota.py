@@ -56,6 +56,20 @@ except OSError as exc:
 print(f"made {made}", file=sys.stderr)
 """
 
+# Within a 16 MB quota: one 1 MiB file under 200 more names (hard links take no space) and 20 sparse files
+# of 15 MiB that hold no block at all.
+LINKS_AND_HOLES = """
+import os
+work = os.environ["CLAWPIPE_WORKDIR"]
+with open(os.path.join(work, "one.bin"), "wb") as f:
+    f.write(b"q" * (1 << 20))
+for i in range(200):
+    os.link(os.path.join(work, "one.bin"), os.path.join(work, f"link{i}"))
+for i in range(20):
+    with open(os.path.join(work, f"hole{i}"), "wb") as f:
+        f.truncate(15 << 20)
+"""
+
 
 def run(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, backend: str, harnesses: list[Any]) -> list[Any]:
     task = echo.generate(1)[0]
@@ -132,6 +146,33 @@ def test_kept_work_dirs_survive_the_unmount(
     work = Path(res[0].workdir)
     assert (work / "out" / "answer.txt").read_text() == "42"
     assert (work / "start.txt").is_file() and not os.path.ismount(work.parent)
+
+
+@pytest.mark.sandbox
+def test_a_kept_work_dir_takes_no_more_disk_than_its_quota(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    """Hard links and holes fill no quota, but a plain copy writes every name's bytes: 500 MB on the host's
+    disk from 16 MB of quota."""
+    tricky = load_manifest(make_harness(tmp_path / "h", "tricky", LINKS_AND_HOLES, resources={"disk_mb": 16}))
+    free = disk_free(tmp_path)
+    res = run_rollouts(
+        [RolloutSpec(run_id="quota", iteration=0, harness=tricky, task=echo.generate(1)[0], model="m")],
+        proxy_url=upstream.url,
+        backend="bwrap",
+        results_path=tmp_path / "results.jsonl",
+        secret=b"s",
+        scratch_dir=tmp_path / "scratch",
+        task_sets={"echo": echo},
+        keep_workdirs=True,
+    )
+    work = Path(res[0].workdir)
+    assert res[0].status == "succeeded", res[0].stderr_tail
+    assert (work / "one.bin").stat().st_size == 1 << 20 and (work / "start.txt").is_file()
+    assert (work / "link7").stat().st_ino == (work / "one.bin").stat().st_ino  # links stay links
+    files = {p.stat().st_ino: p.stat().st_size for p in work.rglob("*") if p.is_file()}
+    assert sum(files.values()) <= 16 << 20, sorted(files.values())
+    assert free - disk_free(tmp_path) < 32 << 20
 
 
 def test_without_a_mount_the_quota_is_a_file_size_limit_and_a_size_check(
