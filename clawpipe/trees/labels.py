@@ -47,6 +47,31 @@ def _latest_through(ctx: LabelContext) -> list[int]:
     return latest
 
 
+def _resumes_with_tail(old: np.ndarray, new: np.ndarray) -> bool:
+    """Whether ``new`` starts with a tail of ``old`` (a non-empty suffix of ``old[1:]``).
+
+    A few candidate starts (where ``old`` holds ``new[0]``) are compared directly. A repetitive completion
+    (one id thousands of times) has a candidate at almost every position, and comparing each would cost the
+    square of its length; there one prefix-function pass over ``new[:m] + sentinel + old[1:]`` (m = the
+    longest tail) finds the longest suffix of ``old[1:]`` that ``new`` starts with, in linear time.
+    """
+    starts = np.flatnonzero(old[1:] == new[0])
+    if len(starts) <= 32:
+        for k in starts.tolist():
+            tail = old[k + 1 :]
+            if len(tail) <= len(new) and np.array_equal(tail, new[: len(tail)]):
+                return True
+        return False
+    s = [*new[: len(old) - 1].tolist(), -1, *old[1:].tolist()]  # ids are >= 0: -1 matches nothing
+    border = [0] * len(s)
+    for i in range(1, len(s)):
+        b = border[i - 1]
+        while b and s[i] != s[b]:
+            b = border[b - 1]
+        border[i] = b + 1 if s[i] == s[b] else b
+    return border[-1] > 0
+
+
 def _re_encodes(seqs: TreeSequences, g: int, e: int, d: int) -> bool:
     """Whether sequence e's prompt, diverging inside g's completion at depth d, re-encodes that completion.
 
@@ -60,10 +85,8 @@ def _re_encodes(seqs: TreeSequences, g: int, e: int, d: int) -> bool:
     new = np.frombuffer(seqs.keys[e], dtype=np.uint32)[d:]
     if not len(old) or not len(new):
         return d > seqs.plen[g]
-    for k in np.flatnonzero(old[1:] == new[0]).tolist():
-        tail = old[k + 1 :]
-        if len(tail) <= len(new) and np.array_equal(tail, new[: len(tail)]):
-            return False
+    if _resumes_with_tail(old, new):
+        return False
     if d > seqs.plen[g] or len(old) == 1:
         return True  # its start was replayed verbatim, or only its last token (e.g. a stop token) differs
     window = new[: len(old) + 8]

@@ -26,3 +26,28 @@ def test_thousands_of_history_rewrites_after_a_long_shared_prompt_build_in_linea
     assert stats["n_calls"] == n and stats["n_leaves"] == n
     assert stats["branches_rewrite"] == n - 1 and stats["branches_subagent"] == 0
     assert seconds < 10, f"{n} rewrites took {seconds:.1f}s"
+
+
+def test_a_repetitive_completion_re_encoded_in_the_next_prompt_labels_in_linear_time(tmp_path: Path) -> None:
+    # An untrained policy repeats one id 200,000 times; the harness replays it re-encoded (runs of the id
+    # merged differently), so the next prompt leaves the completion at its first token. Looking for a tail
+    # of the completion that the prompt resumes with compared every repeated position in full (quadratic:
+    # about 3.5 s per such branch here); three rollouts of it must label in well under that.
+    n = 200_000
+    calls, rollouts = [], []
+    for r in range(3):
+        head = [1, 2, 3, 50 + r]
+        calls += [
+            call(f"r{r}-c0", f"r{r}", 0, head, [8] + [7] * n),
+            call(f"r{r}-c1", f"r{r}", 1, head + [7, 9] + [7] * n + [5], [11, 12]),
+        ]
+        rollouts.append(rollout(f"r{r}", "g", 0.5, sample_idx=r))
+    write_lake(tmp_path, RUN, 0, calls, rollouts)
+    t0 = time.perf_counter()
+    build_iteration(tmp_path, RUN, 0)
+    seconds = time.perf_counter() - t0
+    stats = read_stats(tmp_path, RUN, 0)
+    for r in range(3):
+        s = stats[f"rollout:r{r}"]
+        assert s["n_leaves"] == 2 and s["branches_rewrite"] + s["branches_drift"] == 1
+    assert seconds < 3, f"three repetitive re-encodings took {seconds:.1f}s"
