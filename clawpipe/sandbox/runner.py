@@ -180,8 +180,9 @@ class _Batch:
                             f"{quota_inodes(manifest.limits.disk_mb)} files ([resources] disk_mb = "
                             f"{manifest.limits.disk_mb}; {INODES_PER_MB} files per MB, at least {MIN_INODES})"
                         )
-                if outcome.refused:  # the sandbox flooded its bridge: its calls failed for infra reasons, and a
-                    result.status = RolloutStatus.infra_error  # retry would flood again, so it is not retried
+                if outcome.refused:  # the sandbox flooded its own bridge: code in it (a policy's too) did that, so
+                    # the rollout is scored as a failure; as infra_error it would take its GRPO group out of training
+                    result.status = RolloutStatus.failed
                 result.stderr_tail = tail(rdir / "stderr.log")
                 if result.status == RolloutStatus.failed and ends_with_memory_error(result.stderr_tail):
                     result.status = RolloutStatus.oom  # the rlimit fallback: Python raised MemoryError
@@ -373,8 +374,8 @@ def run_rollouts(
     Backend instance. ``progress(result, done, total)`` is called after each rollout. Other options:
     secret, scratch_dir, task_sets (name -> task set, default clawpipe.tasks.get_task_set), harness_dirs,
     max_attempts (infra retries), keep_workdirs, timeout_s (overrides the manifests'), batch_id,
-    bridge_max_connections (open connections per sandbox; more are refused and make the rollout an infra
-    error; lowered to fit the runner's descriptor limit) and bridge_idle_timeout_s.
+    bridge_max_connections (open connections per sandbox; more are refused and make the rollout failed,
+    still scored; lowered to fit the runner's descriptor limit) and bridge_idle_timeout_s.
     Raises ManifestError/ConfigError before anything runs if a manifest, task or id is invalid.
     """
     spec_list = list(specs)

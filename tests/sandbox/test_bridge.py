@@ -15,6 +15,7 @@ from clawpipe.errors import ConfigError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.bridge import Bridge, listen_on_host
 from clawpipe.sandbox.limits import connection_cap
+from clawpipe.sandbox.rollout import masked_groups
 from tests.sandbox.support import EchoTaskSet, Sampler, Upstream, make_harness
 
 SECRET = b"bridge-test-secret"
@@ -123,6 +124,46 @@ print(ok)
 """
 
 
+# What a policy's code can do wherever it runs in the sandbox (e.g. a fixit solution.py imported by check.py):
+# flood the bridge, then leave a wrong answer.
+FLOOD_THEN_WRONG = """
+import os, socket, time
+port = int(os.environ["OPENAI_BASE_URL"].split(":")[2].split("/")[0])
+socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+extra = []
+for _ in range(20):
+    s = socket.socket()
+    s.setblocking(False)
+    s.connect_ex(("127.0.0.1", port))
+    extra.append(s)
+time.sleep(0.5)
+open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "answer.txt"), "w").write("41")
+"""
+
+
+@pytest.mark.sandbox
+def test_a_sandbox_that_floods_its_bridge_is_scored_and_masks_no_group(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    """Refused connections are the sandbox's own doing: were they an infra error, code that knows it is wrong
+    could flood to have its whole GRPO group left out of training instead of scored."""
+    flood = load_manifest(make_harness(tmp_path / "h", "flood", FLOOD_THEN_WRONG))
+    task = echo.generate(1)[0]
+    res = run_rollouts(
+        [RolloutSpec(run_id="flood", iteration=0, harness=flood, task=task, model="m", group_id="g")],
+        proxy_url=upstream.url,
+        backend="bwrap",
+        results_path=tmp_path / "results.jsonl",
+        secret=SECRET,
+        scratch_dir=tmp_path / "scratch",
+        task_sets={"echo": echo},
+        bridge_max_connections=4,
+    )
+    assert (res[0].status, res[0].reward) == ("failed", 0.0), res[0].error
+    assert re.search(r"refused \d+ connections over the sandbox's cap of 4", res[0].error or ""), res[0].error
+    assert masked_groups(res) == set()
+
+
 class FdSampler(Sampler):
     """The highest number of descriptors this process (runner, bridge and upstream) held while running."""
 
@@ -162,7 +203,7 @@ def test_a_flooding_sandbox_does_not_starve_its_neighbour(tmp_path: Path, echo: 
         flooder, neighbour = res
         # The neighbour got every call through while the flood held its bridge at the cap.
         assert (neighbour.status, neighbour.n_calls, neighbour.reward) == ("succeeded", 20, 1.0), neighbour.stderr_tail
-        assert flooder.status == "infra_error" and flooder.attempt == 1
+        assert (flooder.status, flooder.reward, flooder.attempt) == ("failed", 0.0, 1)
         refused = re.search(
             rf"refused (\d+) connections over the sandbox's cap of {cap} open at once", flooder.error or ""
         )
