@@ -10,6 +10,7 @@ first (:mod:`clawpipe.trees.calls`), so the result does not depend on the order 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -119,7 +120,7 @@ def _add_tree(
         rr = b.reward_of_rollout
         for leaf, lr in zip(nodes.is_leaf.tolist(), nodes.leaf_rollouts, strict=True):
             vals = [rr[r] for r in lr if not np.isnan(rr[r])] if leaf else []
-            acc.leaf_rewards.append(sum(vals) / len(vals) if vals else np.nan)
+            acc.leaf_rewards.append(_mean(vals) if vals else np.nan)
         causes = np.bincount(nodes.cause, minlength=len(CAUSES) + 1)
     flattened = int((b.prompt.length[rows] + b.glen[rows]).sum())
     unique = 0 if nodes is None else int((nodes.end - nodes.start).sum())
@@ -146,6 +147,13 @@ def _add_tree(
             "spliced_tokens": _spliced(b, all_rows),
         }
     )
+
+
+def _mean(vals: list[float]) -> float:
+    """The mean of finite rewards; near the float64 limit their sum overflows, so then each is divided first."""
+    vs = [float(v) for v in vals]  # Python floats: an overflowing sum is inf, without a numpy warning
+    m = sum(vs) / len(vs)
+    return m if math.isfinite(m) else sum(v / len(vs) for v in vs)
 
 
 def _spliced(b: CallBatch, rows: np.ndarray) -> int:

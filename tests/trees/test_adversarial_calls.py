@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from clawpipe.trees import build_iteration
-from tests.trees.fixtures import call, read_stats, rollout, write_lake
+from tests.trees.fixtures import call, read_stats, read_tree, rollout, write_lake
 
 RUN = "run-adv"
 SYS = list(range(1, 101))  # a long shared system prompt: every divergence below lies past half of it
@@ -51,3 +51,15 @@ def test_a_repetitive_completion_re_encoded_in_the_next_prompt_labels_in_linear_
         s = stats[f"rollout:r{r}"]
         assert s["n_leaves"] == 2 and s["branches_rewrite"] + s["branches_drift"] == 1
     assert seconds < 3, f"three repetitive re-encodings took {seconds:.1f}s"
+
+
+def test_a_leaf_shared_by_rollouts_with_rewards_near_the_float64_limit_keeps_their_mean(tmp_path: Path) -> None:
+    # Two rollouts of a group send the same call and get the same answer: one leaf with both rewards.
+    # Each reward is finite (landing accepts it); their sum is not, and the leaf must not say inf.
+    big = 1.7e308
+    calls = [call("a", "r1", 0, SYS, [500, 501]), call("b", "r2", 0, SYS, [500, 501])]
+    write_lake(tmp_path, RUN, 0, calls, [rollout("r1", "g", big), rollout("r2", "g", big, sample_idx=1)])
+    build_iteration(tmp_path, RUN, 0)
+    leaves = [n for n in read_tree(tmp_path, RUN, 0, "group:g") if n["is_leaf"]]
+    assert len(leaves) == 1 and leaves[0]["rollout_ids"] == ["r1", "r2"]
+    assert leaves[0]["reward"] == big
