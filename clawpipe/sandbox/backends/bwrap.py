@@ -7,9 +7,11 @@ capabilities, no supplementary groups and no_new_privs before exec'ing the harne
 at /harness (ro), the task at /task.json (ro), its work dir at /workdir (rw, owned by 65534), a private
 /tmp, /proc and /dev, and a network namespace whose only listener is the bridge's 127.0.0.1:PORT.
 
-Start-up: bwrap reports the sandbox's pid on --info-fd and waits on --block-fd; meanwhile the host puts
-that pid into the cgroup (or sets rlimits), opens the bridge listener in its network namespace, and then
-releases it. A timeout SIGKILLs the namespace's pid 1, which takes every descendant with it.
+Start-up: bwrap reports the sandbox's pid on --json-status-fd and waits on --block-fd; meanwhile the host
+puts that pid into the cgroup (or sets rlimits), opens the bridge listener in its network namespace, and
+then releases it. The same pipe later says whether the command ran and exited ("exit-code"): only without
+that is an exit status of 1 bwrap's own failure to build the sandbox, whatever the harness wrote to stderr.
+A timeout SIGKILLs the namespace's pid 1, which takes every descendant with it.
 
 Like Docker's defaults: a seccomp filter (clawpipe.sandbox.seccomp) on everything the harness runs, and a
 fresh session keyring per sandbox (joined by the launching thread just before bwrap starts; a thread's
@@ -211,7 +213,7 @@ class BwrapBackend:
             args += ["--ro-bind", str(job.manifest.kit_dir), INNER_KIT]
         args += ["--bind", str(job.workdir), INNER_WORKDIR, "--chdir", INNER_WORKDIR]
         args += ["--ro-bind", str(job.task_path), INNER_TASK]
-        args += ["--info-fd", str(info_w), "--block-fd", str(block_r), "--seccomp", str(seccomp_fd)]
+        args += ["--json-status-fd", str(info_w), "--block-fd", str(block_r), "--seccomp", str(seccomp_fd)]
         for k, v in env.items():
             args += ["--setenv", k, v]
         args += [
@@ -256,7 +258,7 @@ class BwrapBackend:
             for fd in (info_w, block_r, seccomp_fd, args_fd):
                 os.close(fd)
             info_w = block_r = seccomp_fd = args_fd = -1
-            child = self._read_child_pid(info_r, proc, job)
+            child, status = self._read_child_pid(info_r, proc, job)
             cgroup = confine(child, job, self.cgroups)
             route = bridge.attach(listen_in_netns(child, self.inner_port))
             os.write(block_w, b"1")
@@ -268,8 +270,8 @@ class BwrapBackend:
                 rc = proc.wait()
             reap_cgroup(cgroup, out)  # pid 1 gone means the namespace is gone; this is belt and braces
             if not out.timed_out:
-                if rc == 1:
-                    self._raise_if_setup_failed(job)
+                if rc == 1 and not self._command_exited(info_r, status):
+                    self._raise_setup_failed(job)
                 out.exit_code, out.signal = decode_shell_status(rc)
             return out
         except SandboxError:
@@ -291,7 +293,8 @@ class BwrapBackend:
                     except OSError:
                         pass
 
-    def _read_child_pid(self, info_r: int, proc: subprocess.Popen[bytes], job: SandboxJob) -> int:
+    def _read_child_pid(self, info_r: int, proc: subprocess.Popen[bytes], job: SandboxJob) -> tuple[int, bytes]:
+        """The sandbox's pid from bwrap's first status document, and what was read of the pipe after it."""
         buf = b""
         deadline = time.monotonic() + INFO_TIMEOUT_S
         decoder = json.JSONDecoder()
@@ -301,8 +304,8 @@ class BwrapBackend:
                 break
             buf += chunk
             try:
-                info, _ = decoder.raw_decode(buf.decode())
-                return int(info["child-pid"])
+                info, end = decoder.raw_decode(buf.decode())
+                return int(info["child-pid"]), buf.decode()[end:].encode()
             except (ValueError, KeyError):
                 continue
         proc.wait(timeout=5)
@@ -310,11 +313,20 @@ class BwrapBackend:
         raise SandboxError(f"bwrap did not start (exit {proc.returncode}): {err.strip() or 'no output'}")
 
     @staticmethod
-    def _raise_if_setup_failed(job: SandboxJob) -> None:
-        """bwrap exits 1 with a single "bwrap: ..." line when the sandbox itself could not be built."""
-        text = job.stderr_path.read_bytes()[:4096].decode(errors="replace")
-        if text.startswith("bwrap: ") and text.count("\n") <= 1:
-            raise SandboxError(f"bwrap could not set up the sandbox: {text.strip()}")
+    def _command_exited(info_r: int, status: bytes) -> bool:
+        """Whether bwrap reported the command's exit (after bwrap exited, the pipe is read to its end).
+
+        bwrap exits 1 both when the command did and when it could not build the sandbox; only in the first
+        case does it write an "exit-code" document. Nothing in the sandbox holds this pipe.
+        """
+        while chunk := os.read(info_r, 4096):
+            status += chunk
+        return b'"exit-code"' in status
+
+    @staticmethod
+    def _raise_setup_failed(job: SandboxJob) -> None:
+        text = job.stderr_path.read_bytes()[:4096].decode(errors="replace").strip()
+        raise SandboxError(f"bwrap could not set up the sandbox: {text or 'no output'}")
 
     @staticmethod
     def _kill(child: int, proc: subprocess.Popen[bytes], cgroup: Cgroup | None) -> None:
