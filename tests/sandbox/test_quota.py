@@ -70,6 +70,16 @@ for i in range(20):
         f.truncate(15 << 20)
 """
 
+SHOUT = """
+import os, sys
+chunk = b"s" * (1 << 20)
+for _ in range(200):
+    sys.stdout.buffer.write(chunk)  # one endless line, far past the quota
+sys.stdout.flush()
+sys.stderr.write("the end of stderr\\n")
+open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "answer.txt"), "w").write("41")
+"""
+
 
 def run(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, backend: str, harnesses: list[Any]) -> list[Any]:
     task = echo.generate(1)[0]
@@ -173,6 +183,18 @@ def test_a_kept_work_dir_takes_no_more_disk_than_its_quota(
     files = {p.stat().st_ino: p.stat().st_size for p in work.rglob("*") if p.is_file()}
     assert sum(files.values()) <= 16 << 20, sorted(files.values())
     assert free - disk_free(tmp_path) < 32 << 20
+
+
+@pytest.mark.docker
+def test_docker_logs_past_the_quota_are_cut_not_an_infra_error(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    """Docker keeps a container's output itself and the runner copies it into the rollout's folder afterwards:
+    200 MB of stdout under a 16 MB quota failed that copy (ENOSPC), which made the rollout an infra error."""
+    shout = load_manifest(make_harness(tmp_path / "h", "shout", SHOUT, resources={"disk_mb": 16}))
+    res = run(tmp_path, upstream, echo, "docker", [shout])
+    assert (res[0].status, res[0].reward) in {("succeeded", 0.0), ("disk_quota", 0.0)}, res[0].error
+    assert "the end of stderr" in res[0].stderr_tail
 
 
 def test_without_a_mount_the_quota_is_a_file_size_limit_and_a_size_check(

@@ -58,6 +58,7 @@ IMAGE_REPO = "clawpipe-sandbox"
 LABEL = "clawpipe.sandbox"
 ETC_BINDS = ("ld.so.cache", "localtime", "alternatives", "ssl", "ca-certificates")
 INNER_ENV = "/run/clawpipe.env"
+LOG_MAX_MB = 8  # what the engine keeps of a harness's output (the latest part); never more than a quarter of the quota
 # POSIX sh: export everything the file assigns, then become the harness (argv after "sh").
 ENV_LAUNCHER = ["/bin/sh", "-c", f'set -a; . {INNER_ENV}; set +a; exec "$@"', "sh"]
 _image_lock = threading.Lock()
@@ -237,6 +238,7 @@ class DockerBackend:
                     nano_cpus=int(job.limits.cpus * 1e9),
                     pids_limit=job.limits.pids,
                     stdin_open=False,
+                    log_config=self._log_config(job),
                     **self._common(job),
                 )
                 container.start()
@@ -275,12 +277,26 @@ class DockerBackend:
                         logger.warning("could not remove container %s: %s", c.name, exc)
 
     @staticmethod
+    def _log_config(job: SandboxJob) -> dict[str, Any]:
+        """The engine keeps the harness's output on the host's disk and the runner copies it into the rollout's
+        folder: both bounded, by one log file of at most LOG_MAX_MB that starts over when full."""
+        size = max(1, min(LOG_MAX_MB, job.limits.disk_mb // 4))
+        return {"type": "json-file", "config": {"max-size": f"{size}m", "max-file": "1"}}
+
+    @staticmethod
     def _save_logs(container: Any, job: SandboxJob) -> None:
-        try:
-            job.stdout_path.write_bytes(container.logs(stdout=True, stderr=False))
-            job.stderr_path.write_bytes(container.logs(stdout=False, stderr=True))
-        except docker.errors.DockerException as exc:
-            job.stderr_path.write_text(f"(logs unavailable: {exc})")
+        """Copy the container's stderr, then its stdout, into the rollout's folder, streamed; where the folder's
+        quota runs out the copy stops there (the rollout then ends disk_quota), never with an error."""
+        for path, stdout in ((job.stderr_path, False), (job.stdout_path, True)):
+            try:
+                with open(path, "wb") as f:
+                    for chunk in container.logs(stdout=stdout, stderr=not stdout, stream=True, follow=False):
+                        f.write(chunk)
+            except OSError as exc:
+                logger.info("log copy to %s stopped: %s", path.name, exc)
+            except docker.errors.DockerException as exc:
+                with contextlib.suppress(OSError):
+                    path.write_text(f"(logs unavailable: {exc})")
 
     def cleanup(self) -> int:
         """Remove any clawpipe containers left behind (e.g. by a killed runner); returns how many."""
