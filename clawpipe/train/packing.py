@@ -152,19 +152,25 @@ def pack_trees(
     a piece longer than the budget (a long path) is a micro-batch of its own. ``trees``: pack only these
     tree indices (a rank's share in distributed training); contribution indices stay the batch's."""
     c = batch.contrib
-    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (tree, positions, owned)
+    wanted = None if trees is None else set(trees)
+    # each tree's contributions (ascending), found once: scanning c.tree per tree and per piece made packing
+    # grow with trees x contributions (thousands of small rollout trees)
+    by_tree = np.argsort(c.tree, kind="stable")
+    bounds = np.searchsorted(c.tree[by_tree], np.arange(len(batch.trees) + 1))
+    pieces: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # (tree, positions, owned, contributions)
     for ti, tree in enumerate(batch.trees):
-        if trees is not None and ti not in trees:
+        if wanted is not None and ti not in wanted:
             continue
-        owned = np.unique(c.pos[c.tree == ti])
-        for positions, own in split_tree(tree, owned, budget):
+        sel = by_tree[bounds[ti] : bounds[ti + 1]]
+        for positions, own in split_tree(tree, np.unique(c.pos[sel]), budget):
             if len(own):
-                pieces.append((ti, positions, own))
+                pieces.append((ti, positions, own, sel))
     pieces.sort(key=lambda p: -len(p[1]))
     bins: list[list[int]] = []
     sizes: list[int] = []
-    for k, (_, positions, _) in enumerate(pieces):
-        for b in range(len(bins)):
+    open_bins: list[int] = []  # bins that may still take a piece, in creation order (first fit)
+    for k, (_, positions, _, _) in enumerate(pieces):
+        for b in open_bins:
             if sizes[b] + len(positions) <= budget:
                 bins[b].append(k)
                 sizes[b] += len(positions)
@@ -172,11 +178,25 @@ def pack_trees(
         else:
             bins.append([k])
             sizes.append(len(positions))
+            open_bins.append(len(bins) - 1)
+        # pieces come largest first: a bin without room for this one's successor is full for good
+        smallest = len(pieces[k + 1][1]) if k + 1 < len(pieces) else 0
+        open_bins = [b for b in open_bins if sizes[b] + smallest <= budget]
     return [_tree_micro_batch(batch, [pieces[k] for k in b], attention, block) for b in bins]
 
 
+def _index_in(values: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Index in ``values`` (distinct) of each element of ``query``, -1 where absent; O((n + q) log n)."""
+    if not len(values):
+        return np.full(len(query), -1, dtype=np.int64)
+    srt = np.argsort(values, kind="stable")
+    at = np.minimum(np.searchsorted(values[srt], query), len(values) - 1)
+    hit = values[srt[at]] == query
+    return np.where(hit, srt[at], -1)
+
+
 def _tree_micro_batch(
-    batch: TrainBatch, pieces: list[tuple[int, np.ndarray, np.ndarray]], attention: str, block: int
+    batch: TrainBatch, pieces: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], attention: str, block: int
 ) -> MicroBatch:
     c = batch.contrib
     n = sum(len(p[1]) for p in pieces)
@@ -186,25 +206,23 @@ def _tree_micro_batch(
     rows, targets, contrib_index, contrib_score = [], [], [], []
     offset = 0
     n_scored = 0
-    for ti, positions, own in pieces:
+    for ti, positions, own, tree_sel in pieces:
         tree = batch.trees[ti]
         m = len(positions)
-        local = np.full(tree.n_tokens, -1, dtype=np.int64)
-        local[positions] = np.arange(m)
+        # piece-local lookups by search, not arrays the size of the tree: a tree cut into many pieces
+        # would otherwise cost pieces x tree size
         ids[offset : offset + m] = tree.token_ids[positions]
         pos_ids[offset : offset + m] = tree.depth[positions]
         lprev = tree.prev[positions]
-        parent[offset : offset + m] = np.where(lprev >= 0, offset + local[np.maximum(lprev, 0)], -1)
+        parent[offset : offset + m] = np.where(lprev >= 0, offset + _index_in(positions, lprev), -1)
         # scored tokens: owned positions; their hidden state is the parent's
-        rows.append(offset + local[tree.prev[own]])
+        rows.append(offset + _index_in(positions, tree.prev[own]))
         targets.append(tree.token_ids[own])
-        sel = np.flatnonzero(c.tree == ti)
-        sel = sel[np.isin(c.pos[sel], own)]
-        score_of = np.full(tree.n_tokens, -1, dtype=np.int64)
-        score_of[own] = n_scored + np.arange(len(own))
-        n_scored += len(own)
+        k_own = _index_in(own, c.pos[tree_sel])
+        sel = tree_sel[k_own >= 0]
         contrib_index.append(sel)
-        contrib_score.append(score_of[c.pos[sel]])
+        contrib_score.append(n_scored + k_own[k_own >= 0])
+        n_scored += len(own)
         offset += m
     dense = attention == "dense"
     return MicroBatch(
