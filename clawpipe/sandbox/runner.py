@@ -56,6 +56,7 @@ from clawpipe.sandbox.workdir import (
     ends_with_memory_error,
     open_tree,
     release_rollout_dir,
+    scrub_report,
     scrub_workdir,
     tail,
 )
@@ -213,7 +214,7 @@ class _Batch:
             if not 0.0 <= reward <= 1.0:
                 raise ValueError(f"reward {reward} outside [0, 1]")
             if removed:
-                info = {**info, "scrubbed": removed}
+                info = {**info, **scrub_report(removed)}
             result.reward = reward
             result.reward_info = json.dumps(info, default=str)
         except Exception as exc:

@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 STDERR_TAIL_BYTES = 4000
 SHORT_PATH_BYTES = 3000  # below PATH_MAX (4096) with room for what a symlink's target adds
+SHOWN_SCRUBBED = 20  # removed paths named in reward_info; the rest are counted
+SHOWN_PATH_CHARS = 1000
 
 
 def scrub_workdir(workdir: Path) -> list[str]:
@@ -31,6 +33,17 @@ def scrub_workdir(workdir: Path) -> list[str]:
                 os.unlink(entry.name, dir_fd=entry.dir_fd)
             removed.append(entry.relpath)
     return removed
+
+
+def scrub_report(removed: list[str]) -> dict[str, object]:
+    """What reward_info says of the scrubbed paths: the first SHOWN_SCRUBBED, each cut to SHOWN_PATH_CHARS
+    (middle elided), and their number when that is more; a harness cannot bloat its result row with them."""
+    half = SHOWN_PATH_CHARS // 2
+    shown = [p if len(p) <= SHOWN_PATH_CHARS else f"{p[:half]}...{p[-half:]}" for p in removed[:SHOWN_SCRUBBED]]
+    report: dict[str, object] = {"scrubbed": shown}
+    if len(removed) > SHOWN_SCRUBBED:
+        report["scrubbed_count"] = len(removed)
+    return report
 
 
 def link_leaves(entry: Entry, root: Path) -> bool:

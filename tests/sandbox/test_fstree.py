@@ -13,7 +13,7 @@ import pytest
 from clawpipe.capture import read_results
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.fstree import KEEP_FDS, copy_tree, remove_tree, walk
-from clawpipe.sandbox.workdir import scrub_workdir
+from clawpipe.sandbox.workdir import scrub_report, scrub_workdir
 from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
 
 
@@ -174,6 +174,7 @@ def test_deep_work_dirs_end_with_a_result_row_and_are_removed(
     )
     assert [(r.status, r.reward) for r in res] == [("succeeded", 1.0), ("succeeded", 1.0)]
     for r, depth in zip(res, (1500, 10000), strict=True):
-        assert json.loads(r.reward_info or "{}")["scrubbed"] == ["/".join(["d"] * depth + ["answer.txt"])]
+        path = "/".join(["d"] * depth + ["answer.txt"])
+        assert json.loads(r.reward_info or "{}")["scrubbed"] == scrub_report([path])["scrubbed"]
     assert len(list(read_results(tmp_path / "results.jsonl"))) == 2
     assert [p for p in scratch.rglob("*") if p.name == "work"] == []  # work dirs removed

@@ -18,6 +18,7 @@ from clawpipe.sandbox.backends.process import ProcessBackend
 from clawpipe.sandbox.bridge import _RequestCounter, listen_on_host
 from clawpipe.sandbox.limits import CgroupLayout
 from clawpipe.sandbox.rollout import classify
+from clawpipe.sandbox.workdir import scrub_report
 from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness
 from tests.support.net import accepted_nodelay
 
@@ -160,6 +161,27 @@ def test_planted_symlink_is_scrubbed_before_the_verifier(tmp_path: Path, upstrea
     res = run(specs_for(m, echo, 1), upstream, tmp_path, echo)
     assert res[0].reward == 0.0
     assert json.loads(res[0].reward_info) == {"got": None, "scrubbed": ["out/answer.txt"]}
+
+
+MANY_LINKS = """
+import os
+out = os.environ["CLAWPIPE_OUTPUT"]
+for i in range(3000):
+    os.symlink("/etc/passwd", os.path.join(out, f"{'x' * 200}{i}"))
+"""
+
+
+def test_a_harness_cannot_bloat_its_row_with_scrubbed_names(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    m = load_manifest(make_harness(tmp_path, "links", MANY_LINKS))
+    res = run(specs_for(m, echo, 1), upstream, tmp_path, echo)
+    info = json.loads(res[0].reward_info)
+    assert (res[0].reward, info["scrubbed_count"], len(info["scrubbed"])) == (0.0, 3000, 20)
+    assert len(res[0].reward_info) < 8000  # 3000 names of 200 characters took 650 kB
+    assert scrub_report(["a" * 5000])["scrubbed"] == [f"{'a' * 500}...{'a' * 500}"] and scrub_report(["a/b"]) == {
+        "scrubbed": ["a/b"]
+    }
 
 
 def test_classify_and_request_counter() -> None:
