@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
-from clawpipe.sandbox.backends.bwrap import BwrapBackend
+from clawpipe.sandbox.backends.bwrap import command_exited
 from clawpipe.sandbox.manifest import HarnessManifest
 from clawpipe.sandbox.rollout import RolloutResult, masked_groups
 from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
@@ -72,6 +72,6 @@ def test_only_an_exit_code_document_says_the_command_ran() -> None:
         os.write(w, written)
         os.close(w)
         try:
-            assert BwrapBackend._command_exited(r, rest) is ran
+            assert command_exited(r, rest) is ran
         finally:
             os.close(r)

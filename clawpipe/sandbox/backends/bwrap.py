@@ -114,6 +114,28 @@ def _etc_skeleton() -> Path:
     return d
 
 
+def command_exited(status_r: int, status: bytes) -> bool:
+    """Whether bwrap's --json-status-fd documents (``status``, then the rest of the pipe ``status_r``) hold
+    the command's "exit-code"."""
+    while chunk := os.read(status_r, 4096):
+        status += chunk
+    return b'"exit-code"' in status
+
+
+def _status_fd_option(bwrap: str) -> str:
+    """--json-status-fd (bwrap >= 0.5: it also reports the command's exit), else --info-fd."""
+    try:
+        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "--info-fd"
+    if "--json-status-fd" in text:
+        return "--json-status-fd"
+    logger.warning(
+        "bwrap older than 0.5: a harness exiting 1 after printing 'bwrap: ...' would count as a sandbox failure"
+    )
+    return "--info-fd"
+
+
 def _mkdirs_args(dest: Path, made: set[str]) -> list[str]:
     """--dir entries (mode 0755) for every missing parent of ``dest``; bwrap would make them 0700."""
     args: list[str] = []
@@ -158,6 +180,7 @@ class BwrapBackend:
         sweep_stale_cgroups(self.cgroups)
         self._etc = _etc_skeleton()
         self._seccomp = build_filter()
+        self._status_fd = _status_fd_option(self.bwrap)
         self._static = self._static_args()
 
     def _static_args(self) -> list[str]:
@@ -213,7 +236,7 @@ class BwrapBackend:
             args += ["--ro-bind", str(job.manifest.kit_dir), INNER_KIT]
         args += ["--bind", str(job.workdir), INNER_WORKDIR, "--chdir", INNER_WORKDIR]
         args += ["--ro-bind", str(job.task_path), INNER_TASK]
-        args += ["--json-status-fd", str(info_w), "--block-fd", str(block_r), "--seccomp", str(seccomp_fd)]
+        args += [self._status_fd, str(info_w), "--block-fd", str(block_r), "--seccomp", str(seccomp_fd)]
         for k, v in env.items():
             args += ["--setenv", k, v]
         args += [
@@ -270,7 +293,7 @@ class BwrapBackend:
                 rc = proc.wait()
             reap_cgroup(cgroup, out)  # pid 1 gone means the namespace is gone; this is belt and braces
             if not out.timed_out:
-                if rc == 1 and not self._command_exited(info_r, status):
+                if rc == 1 and not self._command_exited(info_r, status, job):
                     self._raise_setup_failed(job)
                 out.exit_code, out.signal = decode_shell_status(rc)
             return out
@@ -312,16 +335,17 @@ class BwrapBackend:
         err = job.stderr_path.read_text(errors="replace")[-2000:] if job.stderr_path.exists() else ""
         raise SandboxError(f"bwrap did not start (exit {proc.returncode}): {err.strip() or 'no output'}")
 
-    @staticmethod
-    def _command_exited(info_r: int, status: bytes) -> bool:
+    def _command_exited(self, info_r: int, status: bytes, job: SandboxJob) -> bool:
         """Whether bwrap reported the command's exit (after bwrap exited, the pipe is read to its end).
 
         bwrap exits 1 both when the command did and when it could not build the sandbox; only in the first
-        case does it write an "exit-code" document. Nothing in the sandbox holds this pipe.
+        case does it write an "exit-code" document. Nothing in the sandbox holds this pipe. A bwrap older
+        than 0.5 reports no exit: there a single "bwrap: ..." line on stderr stands for its own failure.
         """
-        while chunk := os.read(info_r, 4096):
-            status += chunk
-        return b'"exit-code"' in status
+        if self._status_fd != "--json-status-fd":
+            text = job.stderr_path.read_bytes()[:4096].decode(errors="replace")
+            return not (text.startswith("bwrap: ") and text.count("\n") <= 1)
+        return command_exited(info_r, status)
 
     @staticmethod
     def _raise_setup_failed(job: SandboxJob) -> None:
