@@ -198,6 +198,10 @@ def grpo_advantages(batch: TrainBatch, config: TrainConfig) -> np.ndarray:
         table = np.asarray([per[i.rollout_id] for i in batch.rollouts], dtype=np.float64)
         return table[c.rollout] if len(c) else np.zeros(0)
     moments = adv_mod.group_moments(rewards, keys)
+    std_of_rollout = np.asarray([moments[keys[i.rollout_id]][1] for i in batch.rollouts], dtype=np.float64)
+    # each tree's contributions, found once (a scan of c.tree per tree grew with trees x contributions)
+    by_tree = np.argsort(c.tree, kind="stable")
+    bounds = np.searchsorted(c.tree[by_tree], np.arange(len(batch.trees) + 1))
     out = np.zeros(len(c), dtype=np.float64)
     for ti, tree in enumerate(batch.trees):
         rids = {s.rollout_id for s in tree.sequences}
@@ -207,11 +211,10 @@ def grpo_advantages(batch: TrainBatch, config: TrainConfig) -> np.ndarray:
         token_adv = adv_mod.tree_token_advantages(
             tree, rewards, root, mode=config.advantage, leaf_norm=config.tree_leaf_norm
         )
-        sel = c.tree == ti
+        sel = by_tree[bounds[ti] : bounds[ti + 1]]
         vals = token_adv[c.pos[sel]]
         if config.scale_std:
-            std = np.asarray([moments[keys[batch.rollouts[r].rollout_id]][1] for r in c.rollout[sel]])
-            vals = vals / (std + adv_mod.EPS)
+            vals = vals / (std_of_rollout[c.rollout[sel]] + adv_mod.EPS)
         out[sel] = vals
     return out
 
