@@ -3,7 +3,8 @@
 bwrap loads the program (``--seccomp FD``) just before it execs the harness, so everything the harness
 runs is filtered. Denied with EPERM: namespace creation and entry (unshare, setns, clone with any
 CLONE_NEW* flag), the kernel keyring (keyctl, add_key, request_key), ptrace and cross-process memory
-access, every mount call (old and new API), bpf, perf_event_open, kernel modules, kexec, and the
+access, every mount call (old and new API), bpf, perf_event_open, userfaultfd, io_uring (a large kernel
+attack surface that Docker's default denies since 25.0), kernel modules, kexec, and the
 host-wide knobs (clock, hostname, swap, reboot, quotas, syslog). clone3 gets ENOSYS, because its flags
 sit in memory a filter cannot read; the C library then falls back to clone, whose flags it can. A
 syscall made under another architecture's calling convention (i386 or x32 on x86_64) kills the process:
@@ -81,6 +82,9 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "bpf": (321, 280),
     "perf_event_open": (298, 241),
     "userfaultfd": (323, 282),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
     "init_module": (175, 105),
     "finit_module": (313, 273),
     "delete_module": (176, 106),

@@ -49,6 +49,8 @@ res["bpf"] = call("bpf", 0, 0, 0)
 res["perf_event_open"] = call("perf_event_open", 0, 0, -1, -1, 0)
 res["finit_module"] = call("finit_module", 0, b"", 0)
 res["kexec_load"] = call("kexec_load", 0, 0, 0, 0)
+res["io_uring_setup"] = call("io_uring_setup", 4, ctypes.create_string_buffer(120))  # kernel exploits' favourite
+res["io_uring_register"] = call("io_uring_register", 0, 0, 0, 0)
 t = threading.Thread(target=lambda: res.__setitem__("thread", "ok")); t.start(); t.join()
 res["subprocess"] = subprocess.run(["true"]).returncode
 cmdlines = {}
@@ -112,7 +114,10 @@ def test_docker_default_denials_fresh_keyrings_and_no_key_on_any_command_line(
         assert probe["unshare_Ur"][0] != 0 and "Operation not permitted" in probe["unshare_Ur"][1]
         for name in ("unshare_user", "clone_newuser", "setns", "keyctl_session", "add_key", "request_key"):
             assert probe[name] == [-1, "Operation not permitted"], (name, probe[name])
-        for name in ("ptrace", "mount", "umount2", "bpf", "perf_event_open", "finit_module", "kexec_load"):
+        for name in (
+            *("ptrace", "mount", "umount2", "bpf", "perf_event_open", "finit_module", "kexec_load"),
+            *("io_uring_setup", "io_uring_register"),
+        ):
             assert probe[name] == [-1, "Operation not permitted"], (name, probe[name])
         assert probe["thread"] == "ok" and probe["subprocess"] == 0  # threads and fork still work
         inside = " ".join(probe["cmdlines"].values())
