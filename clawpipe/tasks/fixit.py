@@ -221,8 +221,11 @@ def _cases_of(task: dict[str, Any]) -> tuple[str, list[tuple[list[Any], Any]]]:
         function = data["function"]
         hidden = data.get("hidden", {}).get("cases", [])
         cases = [(list(args), expected) for args, expected in [*data["cases"], *hidden]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ManifestError(f"fixit task lacks data.function/data.cases ([[args], expected] pairs): {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ManifestError(
+            f"fixit task lacks data.function/data.cases ([[args], expected] pairs; data.hidden, when present, "
+            f"an object whose cases are such pairs too): {exc}"
+        ) from exc
     if not isinstance(function, str) or not function.isidentifier() or not cases:
         raise ManifestError(f"fixit task needs a function name and at least one case, got {function!r}")
     return function, cases

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from clawpipe.errors import ManifestError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.backends import Backend, get_backend
 from clawpipe.sandbox.verify import verify_rollout
@@ -104,3 +105,11 @@ def test_the_task_file_in_the_sandbox_holds_no_hidden_case(tmp_path: Path) -> No
         k for k in task["data"] if k != "hidden"
     )
     assert res[0].reward == 0.0 and "cases passed" in json.loads(res[0].reward_info)["reason"]
+
+
+def test_a_malformed_hidden_field_is_a_clear_error_not_a_crash() -> None:
+    task = one_per_template()[0]
+    for bad in ([1, 2], {"cases": "x"}, "cases"):
+        broken = {**task, "data": {**task["data"], "hidden": bad}}
+        with pytest.raises(ManifestError, match=r"data\.hidden, when present"):
+            FIXIT.check_program(broken)
