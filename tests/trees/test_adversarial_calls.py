@@ -19,13 +19,13 @@ def test_thousands_of_history_rewrites_after_a_long_shared_prompt_build_in_linea
     n = 2000
     calls = [call(f"c{i:05d}", "r1", i, SYS + [10_000 + 10 * i + k for k in range(10)], [60_000 + i]) for i in range(n)]
     write_lake(tmp_path, RUN, 0, calls, [rollout("r1", "g", 0.5)])
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: machine load does not count
     build_iteration(tmp_path, RUN, 0)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     stats = read_stats(tmp_path, RUN, 0)["rollout:r1"]
     assert stats["n_calls"] == n and stats["n_leaves"] == n
     assert stats["branches_rewrite"] == n - 1 and stats["branches_subagent"] == 0
-    assert seconds < 10, f"{n} rewrites took {seconds:.1f}s"
+    assert seconds < 10, f"{n} rewrites took {seconds:.1f} CPU s"
 
 
 def test_a_repetitive_completion_re_encoded_in_the_next_prompt_labels_in_linear_time(tmp_path: Path) -> None:
@@ -43,14 +43,14 @@ def test_a_repetitive_completion_re_encoded_in_the_next_prompt_labels_in_linear_
         ]
         rollouts.append(rollout(f"r{r}", "g", 0.5, sample_idx=r))
     write_lake(tmp_path, RUN, 0, calls, rollouts)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: machine load does not count
     build_iteration(tmp_path, RUN, 0)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     stats = read_stats(tmp_path, RUN, 0)
     for r in range(3):
         s = stats[f"rollout:r{r}"]
         assert s["n_leaves"] == 2 and s["branches_rewrite"] + s["branches_drift"] == 1
-    assert seconds < 3, f"three repetitive re-encodings took {seconds:.1f}s"
+    assert seconds < 3, f"three repetitive re-encodings took {seconds:.1f} CPU s"
 
 
 def test_a_leaf_shared_by_rollouts_with_rewards_near_the_float64_limit_keeps_their_mean(tmp_path: Path) -> None:
