@@ -204,7 +204,7 @@ def test_a_trickled_body_holds_no_budget_and_is_cut_below_the_minimum_rate(make_
             stop.set()
             sender.join()
     assert out.startswith(b"HTTP/1.1 408") and b"slower than 1 MiB/s" in out, out[:200]
-    assert time.monotonic() - t0 < 4
+    assert time.monotonic() - t0 < 8  # cut soon after the header timeout, not whenever the client stops
     assert [r.header["rollout_id"] for r in proxy.records()] == ["real"]
     _wait(lambda: proxy.server.body_budget.used == 0, 5, "budget not given back")
 

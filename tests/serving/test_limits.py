@@ -121,7 +121,7 @@ def test_a_long_prompt_being_tokenized_does_not_stall_other_streams(policy_dir: 
     finally:
         handle.stop()
     assert took > 0.5, f"the long prompt took only {took:.2f}s: too short to show a stall"
-    assert longest_gap < took / 3, f"streams stalled {longest_gap:.2f}s of the {took:.2f}s the long prompt took"
+    assert longest_gap < took / 2, f"streams stalled {longest_gap:.2f}s of the {took:.2f}s the long prompt took"
 
 
 @pytest.mark.slow
