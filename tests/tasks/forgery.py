@@ -271,7 +271,12 @@ def _proc_links(scene: Scene) -> None:
 
 
 def _paths_as_answers(scene: Scene) -> None:
-    paths = [str(scene.secret), "/proc/self/environ", "/proc/1/cmdline", "../../task.json", "file:///etc/shadow"]
+    # no digits in any path: a number in one (a pytest folder, /proc/1) would be a guess that may be right
+    secret = str(scene.secret)
+    if any(c.isdigit() for c in secret):
+        secret = os.path.relpath(scene.secret, scene.workdir)
+    paths = [secret, "/proc/self/environ", "/proc/thread-self/cmdline", "../../task.json", "file:///etc/shadow"]
+    assert not any(c.isdigit() for p in paths for c in p), paths
     scene.write(str(TRANSCRIPT), json.dumps({"turns": [{"reply": p, "answer": p} for p in paths], "final": paths[0]}))
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from clawpipe.errors import ConfigError
-from clawpipe.sandbox.backends import Backend, get_backend
+from clawpipe.sandbox.backends import Backend
 from clawpipe.sandbox.verify import verify_rollout
 from clawpipe.tasks import CheckRun, fixit, get_task_set, needs_sandbox, validate_task
 
@@ -44,15 +43,6 @@ def add_task() -> dict[str, Any]:
 
 def fixed(task: dict[str, Any]) -> str:
     return FIXES[task["data"]["template"]].format(f=task["data"]["function"])
-
-
-@pytest.fixture(scope="module")
-def bwrap() -> Iterator[Backend]:
-    backend = get_backend("bwrap")
-    try:
-        yield backend
-    finally:
-        backend.close()
 
 
 def test_generate_is_deterministic_with_disjoint_splits() -> None:

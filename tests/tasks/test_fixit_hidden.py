@@ -5,7 +5,6 @@ earns, because the verifier also calls the function on cases that never enter th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 
 from clawpipe.errors import ManifestError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
-from clawpipe.sandbox.backends import Backend, get_backend
+from clawpipe.sandbox.backends import Backend
 from clawpipe.sandbox.verify import verify_rollout
 from clawpipe.tasks import get_task_set, harness_view, validate_task
 from tests.sandbox.support import Upstream, make_harness
@@ -45,15 +44,6 @@ text = lookup.format(cases=json.dumps(cases), f=task["data"]["function"])
 open(os.path.join(os.environ["CLAWPIPE_WORKDIR"], "solution.py"), "w").write(text)
 open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "seen.json"), "w").write(json.dumps(sorted(task["data"])))
 """
-
-
-@pytest.fixture(scope="module")
-def bwrap() -> Iterator[Backend]:
-    backend = get_backend("bwrap")
-    try:
-        yield backend
-    finally:
-        backend.close()
 
 
 def lookup_of(task: dict[str, Any], cases: list[Any]) -> str:

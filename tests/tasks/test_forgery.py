@@ -4,13 +4,12 @@ secret or paths into the reward info, none hangs the verifier."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import tests.tasks.forgery_kits  # noqa: F401  (registers the built-in kits)
-from clawpipe.sandbox.backends import Backend, get_backend
+from clawpipe.sandbox.backends import Backend
 from clawpipe.tasks import get_task_set, list_task_sets, needs_sandbox
 from tests.tasks.forgery import GENERIC, KITS, ForgeryKit, check_task_set, kit_for, run_attempt
 
@@ -22,15 +21,6 @@ def cases() -> list[object]:
         for attempt in kit_for(name).all_attempts():
             out.append(pytest.param(name, attempt.name, marks=marks, id=f"{name}-{attempt.name}"))
     return out
-
-
-@pytest.fixture(scope="module")
-def bwrap() -> Iterator[Backend]:
-    backend = get_backend("bwrap")
-    try:
-        yield backend
-    finally:
-        backend.close()
 
 
 def backend_for(name: str, request: pytest.FixtureRequest) -> Backend | None:
