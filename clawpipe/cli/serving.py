@@ -82,6 +82,15 @@ def serve(
         "--max-prompt-tokens",
         help="Longest prompt a request may send (400 past it; default: the context, up to 65536 tokens).",
     ),
+    max_request_mb: float = typer.Option(
+        32, "--max-request-mb", min=0.001, help="Largest request body in MiB (a 413 past it, before it is read)."
+    ),
+    responses_kept_mb: float = typer.Option(
+        256,
+        "--responses-kept-mb",
+        min=0,
+        help="Memory for stored Responses (previous_response_id), besides the last 1024 of them.",
+    ),
     reload_root: list[Path] = typer.Option(
         [],
         "--reload-root",
@@ -135,6 +144,8 @@ def serve(
         prefix_cache_mb=prefix_cache_mb,
         prefill_chunk_tokens=prefill_chunk_tokens,
         max_prompt_tokens=max_prompt_tokens,
+        max_request_mb=max_request_mb,
+        responses_kept_mb=responses_kept_mb,
         reload_roots=list(reload_root) or None,
         splice=splice,
     )

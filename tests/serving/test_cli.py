@@ -61,7 +61,8 @@ def test_model_publish_reloads_a_running_server(policy_dir: Path, tmp_path: Path
 @pytest.mark.slow
 def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: Path, tmp_path: Path) -> None:
     """The command line the pipeline starts: `clawpipe serve` with repeated --served-name and --reload-root
-    (and --no-splice: a rollout's turn sent back unchanged is re-encoded, not carried as its sampled ids)."""
+    (and --no-splice: a rollout's turn sent back unchanged is re-encoded, not carried as its sampled ids), and
+    the body limit --max-request-mb (a 413 past it)."""
     import subprocess
     import sys
     import time
@@ -74,6 +75,7 @@ def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: 
     root = tmp_path / "ckpts"
     cmd = [sys.executable, "-m", "clawpipe", "serve", "--model", str(policy_dir), "--port", str(port)]
     cmd += ["--served-name", "clawpipe-policy", "--served-name", "alias", "--reload-root", str(root), "--no-splice"]
+    cmd += ["--max-request-mb", "0.05", "--responses-kept-mb", "8"]
     proc = subprocess.Popen(cmd, env={**os.environ, "CLAWPIPE_ADMIN_TOKEN": "t"})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -98,6 +100,9 @@ def test_clawpipe_serve_takes_several_served_names_and_reload_roots(policy_dir: 
         body["messages"] = [*turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "more"}]
         second = httpx.post(f"{url}/v1/chat/completions", json=body, headers=rollout).json()
         assert second["spliced_tokens"] == 0 and httpx.get(f"{url}/health").json()["splice"]["spliced_turns"] == 0
+        big = {"model": "alias", "messages": [{"role": "user", "content": "x" * 60_000}], "max_tokens": 1}
+        too_large = httpx.post(f"{url}/v1/chat/completions", json=big)
+        assert too_large.status_code == 413 and "52428 bytes" in too_large.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(30)
