@@ -108,6 +108,8 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
         if not isinstance(m, dict):
             raise RequestShapeError(f"{where} must be an object with 'role' and 'content'")
         role = m.get("role")
+        if not isinstance(role, str):  # a list or an object cannot be looked up in a set (unhashable)
+            raise RequestShapeError(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got a {type(role).__name__}")
         if role not in CHAT_ROLES:
             raise RequestShapeError(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         msg: dict[str, Any] = {

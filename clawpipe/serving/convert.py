@@ -216,17 +216,14 @@ def check_parts(content: Any, where: str) -> None:
 
 
 def _check_messages(body: dict[str, Any], key: str, content: str = "content") -> None:
-    """The checks the shared conversion leaves to the engine: each message's role is a string, and its content
-    parts are ones a text-only model can read (see check_parts)."""
+    """The check the shared conversion leaves to the engine: each message's content parts are ones a text-only
+    model can read (see check_parts)."""
     messages = body.get(key)
     if not isinstance(messages, list):
         return
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             continue
-        role = m.get("role")
-        if role is not None and not isinstance(role, str):
-            raise RequestError(f"{key}[{i}].role must be a string, got {json.dumps(role)[:80]}", param=key)
         check_parts(m.get(content), f"{key}[{i}].{content}")
         if key == "input" and m.get("type") in ("function_call_output", "custom_tool_call_output"):
             check_parts(m.get("output"), f"{key}[{i}].output")

@@ -151,5 +151,8 @@ def test_one_conversation_in_three_dialects_gives_the_same_template_messages() -
 def test_malformed_request_names_the_field() -> None:
     with pytest.raises(RequestShapeError, match=r"messages\[0\]\.role"):
         request_messages("chat", {"messages": [{"role": "robot", "content": "x"}]})
+    for role in (["user"], {"a": 1}):  # unhashable: a TypeError out of the role lookup before
+        with pytest.raises(RequestShapeError, match=r"messages\[0\]\.role must be one of .*, got a "):
+            request_messages("chat", {"messages": [{"role": role, "content": "x"}]})
     with pytest.raises(RequestShapeError, match="content must be a string or a list"):
         text_of(42, "content")
