@@ -81,7 +81,10 @@ open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "answer.txt"), "w").write("41")
 """
 
 
-def run(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, backend: str, harnesses: list[Any]) -> list[Any]:
+def run(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, backend: str, harnesses: list[Any], **kw: Any
+) -> list[Any]:
+    """One rollout of the echo task per harness, all at once; ``kw`` goes to run_rollouts."""
     task = echo.generate(1)[0]
     specs = [
         RolloutSpec(run_id="quota", iteration=0, harness=m, task=task, model="m", sample_idx=i)
@@ -96,6 +99,7 @@ def run(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, backend: str, har
         secret=b"s",
         scratch_dir=tmp_path / "scratch",
         task_sets={"echo": echo},
+        **kw,
     )
 
 
@@ -142,17 +146,7 @@ def test_kept_work_dirs_survive_the_unmount(
     backend: str, tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
 ) -> None:
     normal = load_manifest(make_harness(tmp_path / "h", "normal", URLLIB_HARNESS))
-    task = echo.generate(1)[0]
-    res = run_rollouts(
-        [RolloutSpec(run_id="quota", iteration=0, harness=normal, task=task, model="m")],
-        proxy_url=upstream.url,
-        backend=backend,
-        results_path=tmp_path / "results.jsonl",
-        secret=b"s",
-        scratch_dir=tmp_path / "scratch",
-        task_sets={"echo": echo},
-        keep_workdirs=True,
-    )
+    res = run(tmp_path, upstream, echo, backend, [normal], keep_workdirs=True)
     work = Path(res[0].workdir)
     assert (work / "out" / "answer.txt").read_text() == "42"
     assert (work / "start.txt").is_file() and not os.path.ismount(work.parent)
@@ -166,16 +160,7 @@ def test_a_kept_work_dir_takes_no_more_disk_than_its_quota(
     disk from 16 MB of quota."""
     tricky = load_manifest(make_harness(tmp_path / "h", "tricky", LINKS_AND_HOLES, resources={"disk_mb": 16}))
     free = disk_free(tmp_path)
-    res = run_rollouts(
-        [RolloutSpec(run_id="quota", iteration=0, harness=tricky, task=echo.generate(1)[0], model="m")],
-        proxy_url=upstream.url,
-        backend="bwrap",
-        results_path=tmp_path / "results.jsonl",
-        secret=b"s",
-        scratch_dir=tmp_path / "scratch",
-        task_sets={"echo": echo},
-        keep_workdirs=True,
-    )
+    res = run(tmp_path, upstream, echo, "bwrap", [tricky], keep_workdirs=True)
     work = Path(res[0].workdir)
     assert res[0].status == "succeeded", res[0].stderr_tail
     assert (work / "one.bin").stat().st_size == 1 << 20 and (work / "start.txt").is_file()
