@@ -68,14 +68,20 @@ def _check_packing(batch, micro_batches) -> None:
         assert np.array_equal(mb.input_ids.numpy().ravel()[rows], tokens[prev[at[mb.contrib_index]]])
 
 
-def test_packing_thousands_of_small_trees_grows_linearly_and_places_every_contribution() -> None:
-    # 8,000 one-call rollout trees (rollout scope over a large iteration). Packing scanned every
-    # contribution once per tree and once per piece (trees x contributions: about 10 s here).
+def _one_call_rollouts(n: int) -> tuple[list[TrainTree], dict[str, RolloutInfo]]:
+    """``n`` one-call rollout trees of 300 tokens, in groups of 8, rewards 0, 1, 2 in turn."""
     trees, infos = [], {}
-    for i in range(8000):
+    for i in range(n):
         rid = f"r{i}"
         trees.append(_chain(f"rollout:{rid}", 300, rid))
         infos[rid] = RolloutInfo(rid, f"g{i // 8}", "h", float(i % 3))
+    return trees, infos
+
+
+def test_packing_thousands_of_small_trees_grows_linearly_and_places_every_contribution() -> None:
+    # 8,000 one-call rollout trees (rollout scope over a large iteration). Packing scanned every
+    # contribution once per tree and once per piece (trees x contributions: about 10 s here).
+    trees, infos = _one_call_rollouts(8000)
     batch = build_batch(trees, infos, make_config(), policy_version=None)
     t0 = time.process_time()  # CPU seconds: machine load does not count
     micro_batches = pack_trees(batch, 4096)
@@ -103,11 +109,7 @@ def test_a_branched_tree_cut_into_many_pieces_still_scores_each_token_from_its_o
 @pytest.mark.slow
 def test_tree_advantages_over_thousands_of_trees_grow_linearly() -> None:
     # Tree advantages scanned every contribution once per tree (8,000 rollout trees: about 9 s here).
-    trees, infos = [], {}
-    for i in range(8000):
-        rid = f"r{i}"
-        trees.append(_chain(f"rollout:{rid}", 300, rid))
-        infos[rid] = RolloutInfo(rid, f"g{i // 8}", "h", float(i % 3))
+    trees, infos = _one_call_rollouts(8000)
     config = make_config(advantage="tree_local_global", scale_std=True)
     t0 = time.process_time()  # CPU seconds: machine load does not count
     batch = build_batch(trees, infos, config, policy_version=None)
