@@ -327,8 +327,9 @@ class BwrapBackend:
                 break
             buf += chunk
             try:
-                info, end = decoder.raw_decode(buf.decode())
-                return int(info["child-pid"]), buf.decode()[end:].encode()
+                text = buf.decode()
+                info, end = decoder.raw_decode(text)
+                return int(info["child-pid"]), text[end:].encode()
             except (ValueError, KeyError):
                 continue
         proc.wait(timeout=5)
