@@ -59,6 +59,19 @@ class Settings(BaseSettings):
         description="Host folders (separated by ':') under which a harness manifest's sandbox.ro_paths may bind, "
         "besides the repository holding its harnesses/ folder; never the home or one of its parents.",
     )
+    sandbox_uid_base: int = Field(
+        default=1_100_000,
+        description="First host uid (and gid) of the range sandboxes run as, one uid per running sandbox so the "
+        "kernel's per-uid budgets (inotify, message queues, processes) are per sandbox; must not hold real users.",
+    )
+    sandbox_uid_count: int = Field(
+        default=4096, description="How many uids the sandbox range holds (at least the sandboxes run at once)."
+    )
+    sandbox_uid_locks: Path | None = Field(
+        default=None,
+        description="Folder of the per-uid lock files that runners on one host allocate sandbox uids through; "
+        "default /run/clawpipe/sandbox-uids as root.",
+    )
     unsafe_process_checks: bool = Field(
         default=False,
         description="Let the process backend (no isolation) run the checks of task sets whose verifier executes "

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 CONTROLLERS = ("memory", "cpu", "pids")
 CFS_PERIOD_US = 100_000
-NPROC_SHARE = 16  # rlimit fallback: RLIMIT_NPROC is per uid, shared by concurrent sandboxes
+NPROC_SHARE = 16  # rlimit fallback: RLIMIT_NPROC is per uid, shared by sandboxes on the shared uid 65534
 FDS_PER_SANDBOX = 16  # the runner's own descriptors per sandbox: pipes, logs, pidfd, listener, cgroup files
 FDS_RESERVED = 256  # the runner itself: result files, the proxy check, imports, logging
 MIN_CONNECTIONS = 4
@@ -254,19 +254,20 @@ def sweep_stale_cgroups(layout: CgroupLayout | None = None, min_age_s: float = 6
     return removed
 
 
-def apply_rlimits(pid: int, limits: Limits, missing: set[str], timeout_s: float) -> None:
+def apply_rlimits(pid: int, limits: Limits, missing: set[str], timeout_s: float, *, shared_uid: bool = True) -> None:
     """Fallback for controllers that no cgroup covers: per-process rlimits, inherited by children.
 
     Memory becomes RLIMIT_AS (address space, stricter than RSS; Python then raises MemoryError, which the
-    runner reports as oom). pids becomes RLIMIT_NPROC, which the kernel counts per uid across *all*
-    sandboxes (they share uid 65534), so it is set to NPROC_SHARE x pids: a fork bomb is still bounded,
-    but more loosely than by a pids cgroup. CPUs becomes a CPU-seconds cap of cpus x timeout.
+    runner reports as oom). pids becomes RLIMIT_NPROC, which the kernel counts per uid: with a uid of the
+    sandbox's own (clawpipe.sandbox.uids) that is exactly ``pids``; with the ``shared_uid`` of every sandbox
+    it is NPROC_SHARE x pids, a fork bomb still bounded, but more loosely than by a pids cgroup. CPUs
+    becomes a CPU-seconds cap of cpus x timeout.
     """
     if "memory" in missing:
         mem = limits.memory_mb * 1024 * 1024
         resource.prlimit(pid, resource.RLIMIT_AS, (mem, mem))
     if "pids" in missing:
-        nproc = limits.pids * NPROC_SHARE
+        nproc = limits.pids * (NPROC_SHARE if shared_uid else 1)
         resource.prlimit(pid, resource.RLIMIT_NPROC, (nproc, nproc))
     if "cpu" in missing:
         secs = max(1, int(limits.cpus * timeout_s) + 1)

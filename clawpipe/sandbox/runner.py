@@ -28,7 +28,7 @@ from clawpipe.capture import append_result
 from clawpipe.errors import ConfigError, ManifestError, SandboxError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends import get_backend
-from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, Outcome, SandboxJob
+from clawpipe.sandbox.backends.base import Backend, Outcome, SandboxJob
 from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
 from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
@@ -50,6 +50,7 @@ from clawpipe.sandbox.rollout import (
     classify,
     now_iso,
 )
+from clawpipe.sandbox.uids import SHARED_USER, SandboxUser, UidLease, UidPool, default_pool
 from clawpipe.sandbox.verify import preflight, verify_rollout
 from clawpipe.sandbox.workdir import (
     chown_tree,
@@ -81,8 +82,10 @@ class _Batch:
         max_attempts: int,
         keep_workdirs: bool,
         timeout_s: float | None,
+        uids: UidPool | None,
     ) -> None:
         self.backend = backend
+        self.uids = uids  # None: the process backend, whose harnesses run as the runner's own user
         self.bridge = bridge
         self.secret = secret
         self.scratch = scratch
@@ -101,7 +104,11 @@ class _Batch:
                 self.task_sets[name] = get_task_set(name)
             return self.task_sets[name]
 
-    def prepare_dir(self, spec: RolloutSpec, manifest: HarnessManifest) -> Path:
+    def lease(self) -> UidLease:
+        """A host uid of the rollout's own for its sandbox (SandboxError when none comes free: an infra error)."""
+        return self.uids.lease() if self.uids is not None else UidLease(SHARED_USER, None)
+
+    def prepare_dir(self, spec: RolloutSpec, manifest: HarnessManifest, user: SandboxUser) -> Path:
         rdir = self.scratch / spec.run_id / f"iter-{spec.iteration}" / spec.id
         release(rdir)  # a rerun's leftovers, also a tmpfs that a killed runner left mounted
         rdir.mkdir(parents=True)
@@ -114,8 +121,8 @@ class _Batch:
         self.task_set(spec.task["task_set"]).prepare(spec.task, work)
         if self.backend.name != "process":
             if os.geteuid() == 0:
-                chown_tree(work, SANDBOX_UID, SANDBOX_GID)
-            else:  # e.g. docker as a member of the docker group: let uid 65534 write anyway
+                chown_tree(work, user.uid, user.gid)
+            else:  # e.g. docker as a member of the docker group: let the sandbox's uid write anyway
                 open_tree(work)
         return rdir
 
@@ -144,9 +151,14 @@ class _Batch:
         for attempt in range(1, self.max_attempts + 1):
             result.attempt = attempt
             try:
-                rdir = self.prepare_dir(spec, manifest)
-                job = SandboxJob(spec.id, manifest, rdir, key, spec.model, timeout, manifest.limits)
-                ran = self.backend.run(job, self.bridge)
+                # The uid is the sandbox's alone from before its work dir is made until its processes are gone.
+                lease = self.lease()
+                try:
+                    rdir = self.prepare_dir(spec, manifest, lease.user)
+                    job = SandboxJob(spec.id, manifest, rdir, key, spec.model, timeout, manifest.limits, lease.user)
+                    ran = self.backend.run(job, self.bridge)
+                finally:
+                    lease.release()
                 if ran.proxy_unreachable:  # whatever the harness made of failed calls, they were not its fault
                     raise SandboxError(f"the harness could not reach the proxy: {'; '.join(ran.notes)}")
                 outcome = ran
@@ -209,7 +221,9 @@ class _Batch:
         removed = scrub_workdir(work)
         try:
             # Work-dir code runs only in a fresh sandbox of this backend, never here (clawpipe.sandbox.verify).
-            reward, info = verify_rollout(self.task_set(spec.task["task_set"]), spec.task, work, self.backend)
+            reward, info = verify_rollout(
+                self.task_set(spec.task["task_set"]), spec.task, work, self.backend, uids=self.uids
+            )
             reward = float(reward)
             if not 0.0 <= reward <= 1.0:
                 raise ValueError(f"reward {reward} outside [0, 1]")
@@ -296,6 +310,7 @@ def iter_rollouts(
     batch_id: str | None = None,
     bridge_max_connections: int = DEFAULT_MAX_CONNECTIONS,
     bridge_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    uid_pool: UidPool | None = None,
 ) -> Iterator[RolloutResult]:
     """Run rollouts and yield each result as it finishes (order of completion). See :func:`run_rollouts`."""
     spec_list = list(specs)
@@ -317,8 +332,12 @@ def iter_rollouts(
 
     scratch = Path(scratch_dir) if scratch_dir is not None else settings.runs_dir / "rollouts"
     check_proxy(proxy_url)
-    sweep_stale_mounts()  # rollout folders a killed runner left mounted
     owned_backend = isinstance(backend, str)
+    backend_name = backend if isinstance(backend, str) else backend.name
+    uids = None if backend_name == "process" else uid_pool or default_pool()
+    if uids is not None:
+        uids.check(concurrency)
+    sweep_stale_mounts()  # rollout folders a killed runner left mounted
     be = get_backend(backend) if isinstance(backend, str) else backend
     try:
         cap = sandbox_connection_cap(concurrency, bridge_max_connections)
@@ -333,6 +352,7 @@ def iter_rollouts(
                 max_attempts=max_attempts,
                 keep_workdirs=keep_workdirs,
                 timeout_s=timeout_s,
+                uids=uids,
             )
             preflight(be.name, (s.task["task_set"] for s in spec_list), state.task_set)
             with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rollout") as pool:
@@ -376,7 +396,8 @@ def run_rollouts(
     secret, scratch_dir, task_sets (name -> task set, default clawpipe.tasks.get_task_set), harness_dirs,
     max_attempts (infra retries), keep_workdirs, timeout_s (overrides the manifests'), batch_id,
     bridge_max_connections (open connections per sandbox; more are refused and make the rollout failed,
-    still scored; lowered to fit the runner's descriptor limit) and bridge_idle_timeout_s.
+    still scored; lowered to fit the runner's descriptor limit), bridge_idle_timeout_s and uid_pool (the
+    host uids sandboxes run as, one each; default the range CLAWPIPE_SANDBOX_UID_BASE/_COUNT describe).
     Raises ManifestError/ConfigError before anything runs if a manifest, task or id is invalid.
     """
     spec_list = list(specs)

@@ -7,11 +7,10 @@ see clawpipe.tasks.check) gets its check run by :func:`run_check` in a new sandb
 - a fresh folder holding a COPY of the declared inputs only (regular files taken without following links,
   size-capped; the live work dir is never mounted), owned by root and read-only to the sandbox except the
   two files the check writes (result.json, log.txt);
-- uid 65534 without capabilities, the backend's time/memory/pids limits plus a file-size limit that the
-  check cannot raise (``prlimit --fsize``, so no file it writes outgrows what the host reads), and NO
-  network: the listener
-  the backend opens in the sandbox's network namespace is closed at once (:class:`ClosedBridge`), so
-  nothing answers at any address;
+- a host uid of its own (clawpipe.sandbox.uids) without capabilities, the backend's time/memory/pids
+  limits plus a file-size limit that the check cannot raise (``prlimit --fsize``, so no file it writes
+  outgrows what the host reads), and NO network: the listener the backend opens in the sandbox's network
+  namespace is closed at once (:class:`ClosedBridge`), so nothing answers at any address;
 - an environment without secrets: the rollout's proxy key is never passed (a placeholder stands in),
   the task file is an empty object, so the expected values stay on the host.
 
@@ -33,10 +32,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from clawpipe.errors import ConfigError, ManifestError, SandboxError
-from clawpipe.sandbox.backends.base import SANDBOX_GID, SANDBOX_UID, Backend, SandboxJob
+from clawpipe.sandbox.backends.base import Backend, SandboxJob
 from clawpipe.sandbox.bridge import Bridge, Route
 from clawpipe.sandbox.limits import Limits
 from clawpipe.sandbox.manifest import HarnessManifest
+from clawpipe.sandbox.uids import SHARED_USER, SandboxUser, UidLease, UidPool, default_pool
 from clawpipe.tasks.base import WorkdirFileError, read_workdir_file
 from clawpipe.tasks.check import LOG_FILE, RESULT_FILE, CheckProgram, CheckRun, SandboxedTaskSet, needs_sandbox
 from clawpipe.tasks.values import parse_plain_json
@@ -115,11 +115,18 @@ def preflight(backend_name: str, names: Iterable[str], resolve: Callable[[str], 
             check_backend(backend_name, name)
 
 
-def _owner(backend: Backend) -> tuple[int, int] | None:
+def _owner(backend: Backend, user: SandboxUser) -> tuple[int, int] | None:
     """Who the writable check files must belong to: the sandbox user, or None (mode 0666 instead)."""
     if backend.name == "process" or os.geteuid() != 0:
         return None
-    return SANDBOX_UID, SANDBOX_GID
+    return user.uid, user.gid
+
+
+def _lease(backend: Backend, uids: UidPool | None) -> UidLease:
+    """The check sandbox's own uid (none for the process backend, which runs as the runner's user)."""
+    if backend.name == "process":
+        return UidLease(SHARED_USER, None)
+    return (uids or default_pool()).lease()
 
 
 def copy_inputs(workdir: Path, dest: Path, inputs: Iterable[str], max_bytes: int) -> list[str]:
@@ -209,19 +216,27 @@ def _limited(command: tuple[str, ...], program: CheckProgram) -> tuple[str, ...]
 
 
 def run_check(
-    backend: Backend, program: CheckProgram, workdir: Path, *, scratch: Path | None = None, label: str = "check"
+    backend: Backend,
+    program: CheckProgram,
+    workdir: Path,
+    *,
+    scratch: Path | None = None,
+    label: str = "check",
+    uids: UidPool | None = None,
 ) -> CheckRun:
     """Run ``program`` against copies of its inputs from ``workdir`` in a fresh sandbox of ``backend``.
 
     ``scratch`` is the host folder for the check's own folder (default: the system's temporary folder,
     outside the rollout's disk quota, which the harness may have filled); the folder is removed
-    afterwards. ``label`` names the sandbox in logs. Raises SandboxError when the sandbox cannot start.
+    afterwards. ``label`` names the sandbox in logs. The sandbox runs as a uid of its own from ``uids``
+    (default: the settings' range). Raises SandboxError when the sandbox cannot start.
     """
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
+    lease = _lease(backend, uids)
     vdir = Path(tempfile.mkdtemp(prefix="clawpipe-check-", dir=scratch))
     try:
-        skipped = _lay_out(vdir, program, workdir, _owner(backend))
+        skipped = _lay_out(vdir, program, workdir, _owner(backend, lease.user))
         tag = re.sub(r"[^a-z0-9_.-]", "-", label.lower())[:40] or "check"
         manifest = HarnessManifest(
             name=f"check-{tag}",
@@ -238,8 +253,12 @@ def run_check(
             model="none",
             timeout_s=program.timeout_s,
             limits=manifest.limits,
+            user=lease.user,
         )
-        outcome = backend.run(job, ClosedBridge())
+        try:
+            outcome = backend.run(job, ClosedBridge())
+        finally:
+            lease.release()  # its processes are gone: what it wrote is read below as root
         work = vdir / "work"
         output, reason = _read_result(work, program)
         return CheckRun(
@@ -253,6 +272,7 @@ def run_check(
             log_tail=_log_tail(work, vdir),
         )
     finally:
+        lease.release()
         shutil.rmtree(vdir, ignore_errors=True)
 
 
@@ -264,6 +284,7 @@ def verify_rollout(
     *,
     scratch: Path | None = None,
     allow_unsafe: bool | None = None,
+    uids: UidPool | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """(reward, reward_info) of the finished rollout whose work dir is ``workdir``.
 
@@ -271,7 +292,7 @@ def verify_rollout(
     fresh sandbox of ``backend`` (refused on a non-isolating backend unless the operator opted in, see
     :func:`check_backend`) and is scored on the host. ``scratch`` holds the check's folder while it runs
     (default: the system's temporary folder). A task whose data cannot make a check gets reward 0 with
-    the reason.
+    the reason. ``uids`` is where the check's sandbox takes its own uid (default: the settings' range).
     """
     if not needs_sandbox(task_set):
         return task_set.verify(task, workdir)
@@ -282,5 +303,5 @@ def verify_rollout(
     except ManifestError as exc:
         return 0.0, {"reason": str(exc)}
     label = f"{task_set.name}-{task.get('task_id', '')}"
-    run = run_check(backend, program, Path(workdir), scratch=scratch, label=label)
+    run = run_check(backend, program, Path(workdir), scratch=scratch, label=label, uids=uids)
     return task_set.score(task, run)

@@ -16,6 +16,7 @@ import pytest
 
 from clawpipe.keys import mint_key, verify_key
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
+from clawpipe.sandbox.uids import UidPool
 from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
@@ -79,6 +80,11 @@ def sandbox_run(specs: list[RolloutSpec], up: Upstream, tmp: Path, echo: EchoTas
     return run_rollouts(specs, **{"proxy_url": up.url, **opts})
 
 
+def in_uid_range(uid: int) -> bool:
+    pool = UidPool.from_settings()
+    return pool.base <= uid < pool.base + pool.count
+
+
 def _host_ip() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -106,7 +112,8 @@ def test_chat_harness_reaches_the_proxy_through_the_bridge(
     assert call["body"]["model"] == "tiny"
     assert verify_key(SECRET, call["path"].split("/")[2]).rollout_id == res[0].rollout_id
     work = Path(res[0].workdir)
-    assert (work / "out" / "answer.txt").stat().st_uid == 65534  # written as the sandbox user
+    owner = (work / "out" / "answer.txt").stat().st_uid  # written as the sandbox's own uid from the clawpipe range
+    assert in_uid_range(owner) and owner != os.geteuid(), owner
     assert (work / "start.txt").read_text() == "starting file\n"  # the task set's starting file was there
 
 
@@ -191,7 +198,8 @@ def test_isolation_from_inside(backend: str, tmp_path: Path, upstream: Upstream,
         )
     assert p["write_workdir"] == p["write_tmp"] == p["write_shm"] == "ok"
     assert p["read_tool"] == "ok" and p["write_tool"].startswith("OSError: [Errno 30]")
-    assert p["uid"][:3] == [65534, 65534, 65534] and p["uid"][3] in ([], [65534])  # docker lists the own gid
+    uid = p["uid"][0]  # a uid of the sandbox's own from the clawpipe range, its gid the same number
+    assert in_uid_range(uid) and p["uid"][:3] == [uid, uid, uid] and p["uid"][3] in ([], [uid]), p["uid"]
     assert p["caps"] == ["0000000000000000"]
     key = p["env"]["OPENAI_API_KEY"]
     assert set(p["env"]) == {

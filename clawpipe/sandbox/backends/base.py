@@ -21,9 +21,11 @@ from clawpipe.errors import SandboxError
 from clawpipe.sandbox.bridge import Bridge, Route
 from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_file_size_limit, apply_rlimits
 from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest
+from clawpipe.sandbox.uids import SHARED_GID, SHARED_UID, SHARED_USER, SandboxUser
 
-SANDBOX_UID = 65534  # nobody
-SANDBOX_GID = 65534
+SANDBOX_UID = SHARED_UID  # a job's default user (nobody); the runner gives each job its own (clawpipe.sandbox.uids)
+SANDBOX_GID = SHARED_GID
+SANDBOX_USER_NAME = "sandbox"
 INNER_WORKDIR = "/workdir"
 INNER_TASK = "/task.json"
 INNER_HARNESS = "/harness"
@@ -67,6 +69,7 @@ class SandboxJob:
     model: str
     timeout_s: float
     limits: Limits
+    user: SandboxUser = SHARED_USER  # host uid/gid the harness runs as (its work dir belongs to them)
 
     def unique_name(self, prefix: str) -> str:
         """``<prefix>-<rollout id, sanitised>-<random>``: unique even when runners share rollout ids."""
@@ -112,6 +115,19 @@ class Backend(Protocol):
     def run(self, job: SandboxJob, bridge: Bridge) -> Outcome: ...
 
     def close(self) -> None: ...
+
+
+def identity_files(user: SandboxUser) -> tuple[str, str]:
+    """/etc/passwd and /etc/group of a sandbox whose processes run as ``user``: it is "sandbox" (home
+    /nonexistent), beside root and, when it is another uid, the usual nobody/nogroup."""
+    passwd = (
+        f"root:x:0:0:root:/root:/bin/sh\n{SANDBOX_USER_NAME}:x:{user.uid}:{user.gid}:sandbox:/nonexistent:/bin/sh\n"
+    )
+    group = f"root:x:0:\n{SANDBOX_USER_NAME}:x:{user.gid}:\n"
+    if not user.shared:
+        passwd += f"nobody:x:{SHARED_UID}:{SHARED_GID}:nobody:/nonexistent:/usr/sbin/nologin\n"
+        group += f"nogroup:x:{SHARED_GID}:\n"
+    return passwd, group
 
 
 def harness_env(
@@ -200,7 +216,7 @@ def confine(pid: int, job: SandboxJob, layout: CgroupLayout) -> Cgroup:
         except OSError as exc:
             raise SandboxError(f"cgroup setup failed for {job.rollout_id}: {exc}") from exc
         if missing:
-            apply_rlimits(pid, job.limits, missing, job.timeout_s)
+            apply_rlimits(pid, job.limits, missing, job.timeout_s, shared_uid=job.user.shared)
         apply_file_size_limit(pid, job.limits)
     except BaseException:
         if cgroup is not None:

@@ -1,11 +1,13 @@
-"""The bwrap backend (default): bubblewrap namespaces, a cgroup, the bridge, and uid 65534.
+"""The bwrap backend (default): bubblewrap namespaces, a cgroup, the bridge, and a host uid per sandbox.
 
 bwrap runs as root *without* a user namespace so it can bind paths the sandbox user could not reach
-(the Python install under /root, mode 700); inside, ``setpriv`` drops to uid/gid 65534 with no
+(the Python install under /root, mode 700); inside, ``setpriv`` drops to the job's uid/gid (one of its
+own from clawpipe.sandbox.uids, so no kernel per-uid budget is shared with a neighbour) with no
 capabilities, no supplementary groups and no_new_privs before exec'ing the harness. The sandbox sees:
-/usr (ro) and its /bin /lib symlinks, a few /etc files, the Python environment (ro), the harness folder
-at /harness (ro), the task at /task.json (ro), its work dir at /workdir (rw, owned by 65534), a private
-/tmp, /proc and /dev, and a network namespace whose only listener is the bridge's 127.0.0.1:PORT.
+/usr (ro) and its /bin /lib symlinks, a few /etc files (passwd/group name its uid "sandbox"), the Python
+environment (ro), the harness folder at /harness (ro), the task at /task.json (ro), its work dir at
+/workdir (rw, owned by its uid), a private /tmp, /proc and /dev, and a network namespace whose only
+listener is the bridge's 127.0.0.1:PORT.
 
 Start-up: bwrap reports the sandbox's pid on --json-status-fd and waits on --block-fd; meanwhile the host
 puts that pid into the cgroup (or sets rlimits), opens the bridge listener in its network namespace, and
@@ -33,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,8 +45,6 @@ from clawpipe.sandbox.backends.base import (
     INNER_KIT,
     INNER_TASK,
     INNER_WORKDIR,
-    SANDBOX_GID,
-    SANDBOX_UID,
     Outcome,
     PythonEnv,
     SandboxJob,
@@ -51,19 +52,21 @@ from clawpipe.sandbox.backends.base import (
     decode_shell_status,
     detach_route,
     harness_env,
+    identity_files,
     reap_cgroup,
     wait_for_exit,
 )
 from clawpipe.sandbox.bridge import Bridge, listen_in_netns
 from clawpipe.sandbox.limits import Cgroup, CgroupLayout, detect_cgroups, sweep_stale_cgroups
 from clawpipe.sandbox.seccomp import build_filter, memfd_with
+from clawpipe.sandbox.uids import SandboxUser
 
 logger = logging.getLogger(__name__)
 
 # /etc entries a harness may need (dynamic linker cache, time zone, alternatives symlinks, CA certs).
-# /etc is one read-only folder built at start-up: copies of the few files a harness needs, identity files
-# that know the sandbox user, and mount points for the two host folders bound into it (fewer mounts,
-# faster start-up than binding each file).
+# /etc is one read-only folder per sandbox uid, built on the uid's first use: hard links to copies of the
+# few files a harness needs, identity files that know that uid, and mount points for the two host folders
+# bound into it (fewer mounts, faster start-up than binding each file).
 ETC_COPIES = ("ld.so.cache", "localtime", "mime.types")
 ETC_DIR_BINDS = ("alternatives", "ssl")
 INFO_TIMEOUT_S = 10.0
@@ -92,12 +95,8 @@ def join_fresh_session_keyring() -> int:
 
 
 def _etc_skeleton() -> Path:
-    """The sandbox's /etc, shared by all sandboxes of this backend (read-only inside)."""
+    """The files of a sandbox's /etc that do not depend on its uid (the per-uid folders link to them)."""
     d = Path(tempfile.mkdtemp(prefix="clawpipe-etc-"))
-    (d / "passwd").write_text(
-        f"root:x:0:0:root:/root:/bin/sh\nnobody:x:{SANDBOX_UID}:{SANDBOX_GID}:nobody:/nonexistent:/bin/sh\n"
-    )
-    (d / "group").write_text(f"root:x:0:\nnogroup:x:{SANDBOX_GID}:\n")
     (d / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
     (d / "nsswitch.conf").write_text("passwd: files\ngroup: files\nhosts: files\n")
     (d / "resolv.conf").write_text("")  # no DNS in a sandbox
@@ -107,10 +106,25 @@ def _etc_skeleton() -> Path:
             shutil.copyfile(src, d / name)
     for f in d.iterdir():
         f.chmod(0o644)
+    d.chmod(0o700)  # the per-uid folders beside it are what sandboxes see
+    return d
+
+
+def _etc_for(skeleton: Path, user: SandboxUser) -> Path:
+    """A sandbox /etc for ``user`` next to ``skeleton``: its identity files, links to the shared ones."""
+    d = skeleton.with_name(f"{skeleton.name}-{user.uid}")
+    staging = Path(tempfile.mkdtemp(prefix=f"{d.name}.", dir=d.parent))
+    for f in skeleton.iterdir():
+        os.link(f, staging / f.name)
+    passwd, group = identity_files(user)
+    for name, text in (("passwd", passwd), ("group", group)):
+        (staging / name).write_text(text)
+        (staging / name).chmod(0o644)
     for name in ETC_DIR_BINDS:
         if Path("/etc", name).is_dir():
-            (d / name).mkdir(mode=0o755)
-    d.chmod(0o755)
+            (staging / name).mkdir(mode=0o755)
+    staging.chmod(0o755)
+    staging.rename(d)  # whole or not at all
     return d
 
 
@@ -170,7 +184,7 @@ class BwrapBackend:
             raise SandboxError("setpriv (util-linux) not found under /usr: apt-get install -y util-linux")
         if os.geteuid() != 0:
             raise SandboxError(
-                "the bwrap backend runs bwrap as root so the sandbox can drop to uid 65534; run as root "
+                "the bwrap backend runs bwrap as root so each sandbox can drop to a uid of its own; run as root "
                 "(or use --backend docker / process)"
             )
         self.python = python or PythonEnv.current()
@@ -179,11 +193,14 @@ class BwrapBackend:
         self.cgroups = cgroups if cgroups is not None else detect_cgroups()
         sweep_stale_cgroups(self.cgroups)
         self._etc = _etc_skeleton()
+        self._etc_dirs: dict[SandboxUser, Path] = {}
+        self._etc_lock = threading.Lock()
         self._seccomp = build_filter()
         self._status_fd = _status_fd_option(self.bwrap)
-        self._static = self._static_args()
+        self._before_etc, self._after_etc = self._static_args()
 
-    def _static_args(self) -> list[str]:
+    def _static_args(self) -> tuple[list[str], list[str]]:
+        """bwrap's options that every job shares: those before the job's /etc and those after it."""
         args = [
             self.bwrap,
             "--unshare-ipc",
@@ -209,24 +226,34 @@ class BwrapBackend:
         # /tmp and /dev/shm: private tmpfs, world-writable+sticky like a real one (charged to the memory limit).
         size = str(self.tmpfs_mb << 20)
         args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
-        args += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp", "--ro-bind", str(self._etc), "/etc"]
+        args += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+        # After the sandbox's own /etc (bound per job): the host folders inside it, the Python environment.
+        after: list[str] = []
         for name in ETC_DIR_BINDS:
-            if (self._etc / name).is_dir():
-                args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+            if Path("/etc", name).is_dir():
+                after += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
         made: set[str] = {"/etc", "/tmp", "/proc", "/dev", "/usr"}
         for p in self.python.mounts():
-            args += _mkdirs_args(p, made)
-            args += ["--ro-bind", str(p), str(p)]
+            after += _mkdirs_args(p, made)
+            after += ["--ro-bind", str(p), str(p)]
             made.add(str(p))
         self._made = made
-        return args
+        return args, after
+
+    def etc_dir(self, user: SandboxUser) -> Path:
+        """The /etc folder of sandboxes running as ``user`` (made on the uid's first use)."""
+        with self._etc_lock:
+            d = self._etc_dirs.get(user)
+            if d is None:
+                d = self._etc_dirs[user] = _etc_for(self._etc, user)
+            return d
 
     def command(self, job: SandboxJob, info_w: int, block_r: int, seccomp_fd: int) -> list[str]:
         """bwrap's whole argument list; :meth:`run` passes the options (everything before "--") through ``--args``."""
         env = harness_env(
             job, port=self.inner_port, workdir=INNER_WORKDIR, task_path=INNER_TASK, path_dirs=[str(self.python.bin)]
         )
-        args = [*self._static]
+        args = [*self._before_etc, "--ro-bind", str(self.etc_dir(job.user)), "/etc", *self._after_etc]
         made = set(self._made)
         for p in job.manifest.ro_paths:
             args += _mkdirs_args(p, made)
@@ -242,8 +269,8 @@ class BwrapBackend:
         args += [
             "--",
             self.setpriv,
-            f"--reuid={SANDBOX_UID}",
-            f"--regid={SANDBOX_GID}",
+            f"--reuid={job.user.uid}",
+            f"--regid={job.user.gid}",
             "--clear-groups",
             "--inh-caps=-all",
             "--bounding-set=-all",
@@ -364,4 +391,7 @@ class BwrapBackend:
         proc.kill()
 
     def close(self) -> None:
-        shutil.rmtree(self._etc, ignore_errors=True)
+        with self._etc_lock:
+            for d in [self._etc, *self._etc_dirs.values()]:
+                shutil.rmtree(d, ignore_errors=True)
+            self._etc_dirs.clear()

@@ -1,14 +1,16 @@
 """The docker backend: each rollout in a container with --network none plus the bridge, no registry needed.
 
 Image: ``clawpipe-sandbox:<hash>``, built locally on first use by ``docker import`` of a nearly empty root
-filesystem (directories, the /bin -> usr/bin symlinks, passwd/group/hosts that know uid 65534); /usr,
-the Python environment, the harness folder (/harness), the task (/task.json) and the work dir
-(/workdir, rw) are bind mounts, everything else is read-only (``read_only=True``, private /tmp tmpfs).
+filesystem (directories, the /bin -> usr/bin symlinks, hosts, passwd/group that know uid 65534); /usr,
+the Python environment, the harness folder (/harness), the task (/task.json), the work dir (/workdir,
+rw) and /etc/passwd and /etc/group naming the job's uid "sandbox" are bind mounts, everything else is
+read-only (``read_only=True``, private /tmp tmpfs).
 
 Network: a small *holder* container (``sleep infinity``, network none) owns the network namespace; the
 host opens the bridge listener inside it (State.Pid) and the harness container joins it with
 ``network_mode=container:<holder>`` (the pod pattern), so the listener exists before the harness runs.
-Limits: mem_limit (= memswap), nano_cpus, pids_limit; cap_drop ALL, no-new-privileges, uid 65534.
+Limits: mem_limit (= memswap), nano_cpus, pids_limit; cap_drop ALL, no-new-privileges, and the job's own
+host uid/gid (clawpipe.sandbox.uids), so no kernel per-uid budget is shared with a neighbour.
 The harness's environment (its key among it) is not given to Docker, whose ``docker inspect`` shows a
 container's Env to anyone who can reach the engine: it is written to a file in the rollout folder (mode
 0400, owned by the sandbox user), bound read-only at ``/run/clawpipe.env``, and sourced by ``/bin/sh``
@@ -25,7 +27,9 @@ import io
 import logging
 import os
 import shlex
+import shutil
 import tarfile
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,16 +45,16 @@ from clawpipe.sandbox.backends.base import (
     INNER_KIT,
     INNER_TASK,
     INNER_WORKDIR,
-    SANDBOX_GID,
-    SANDBOX_UID,
     Outcome,
     PythonEnv,
     SandboxJob,
     decode_shell_status,
     detach_route,
     harness_env,
+    identity_files,
 )
 from clawpipe.sandbox.bridge import Bridge, listen_in_netns
+from clawpipe.sandbox.uids import SHARED_USER, SandboxUser
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +95,9 @@ def _rootfs_tar() -> bytes:
                 tar.addfile(info)
             elif host.is_dir():  # a real directory on this host: bound read-only at run time
                 add_dir(top)
-        add_file(
-            "etc/passwd", f"root:x:0:0:root:/root:/bin/sh\nnobody:x:{SANDBOX_UID}:{SANDBOX_GID}::/nonexistent:/bin/sh\n"
-        )
-        add_file("etc/group", f"root:x:0:\nnogroup:x:{SANDBOX_GID}:\n")
+        passwd, group = identity_files(SHARED_USER)  # the holder's; a harness gets its uid's files bound over them
+        add_file("etc/passwd", passwd)
+        add_file("etc/group", group)
         add_file("etc/hosts", "127.0.0.1 localhost\n::1 localhost\n")
         add_file("etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files\n")
         add_file("etc/resolv.conf", "")
@@ -148,6 +151,22 @@ class DockerBackend:
             self.image = ensure_image(self.client, image)
         except docker.errors.DockerException as exc:
             raise SandboxError(f"could not import the sandbox image: {exc}") from exc
+        self._ids = Path(tempfile.mkdtemp(prefix="clawpipe-docker-ids-"))
+        self._ids.chmod(0o755)
+        self._ids_lock = threading.Lock()
+
+    def _identity_dir(self, user: SandboxUser) -> Path:
+        """A host folder holding passwd and group for ``user`` (written on the uid's first use)."""
+        d = self._ids / str(user.uid)
+        with self._ids_lock:
+            if not d.is_dir():
+                staging = Path(tempfile.mkdtemp(prefix=f"{user.uid}.", dir=self._ids))
+                for name, text in zip(("passwd", "group"), identity_files(user), strict=True):
+                    (staging / name).write_text(text)
+                    (staging / name).chmod(0o644)
+                staging.chmod(0o755)
+                staging.rename(d)
+        return d
 
     def _volumes(self, job: SandboxJob) -> dict[str, dict[str, str]]:
         vols: dict[str, dict[str, str]] = {"/usr": {"bind": "/usr", "mode": "ro"}}
@@ -166,6 +185,9 @@ class DockerBackend:
         vols[str(job.task_path)] = {"bind": INNER_TASK, "mode": "ro"}
         vols[str(job.workdir)] = {"bind": INNER_WORKDIR, "mode": "rw"}
         vols[str(self._env_path(job))] = {"bind": INNER_ENV, "mode": "ro"}
+        ids = self._identity_dir(job.user)
+        for name in ("passwd", "group"):
+            vols[str(ids / name)] = {"bind": f"/etc/{name}", "mode": "ro"}
         return vols
 
     @staticmethod
@@ -180,13 +202,13 @@ class DockerBackend:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         if os.geteuid() == 0:
-            os.chown(path, SANDBOX_UID, SANDBOX_GID)
-        else:  # docker-group user: the container's uid 65534 must still read it
+            os.chown(path, job.user.uid, job.user.gid)
+        else:  # docker-group user: the container's uid must still read it
             os.chmod(path, 0o444)
 
     def _common(self, job: SandboxJob) -> dict[str, Any]:
         return {
-            "user": f"{SANDBOX_UID}:{SANDBOX_GID}",
+            "user": f"{job.user.uid}:{job.user.gid}",
             "read_only": True,
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
@@ -308,3 +330,4 @@ class DockerBackend:
 
     def close(self) -> None:
         self.client.close()
+        shutil.rmtree(self._ids, ignore_errors=True)
