@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
+
 import numpy as np
 
 from clawpipe.train.data import RolloutInfo, TrainTree
@@ -20,20 +23,29 @@ from clawpipe.train.data import RolloutInfo, TrainTree
 EPS = 1e-6
 
 
-def group_key(info: RolloutInfo, group_by: str) -> str:
-    return f"{info.group_id}\x1f{info.harness}" if group_by == "group_id+harness" else info.group_id
+# A GRPO group: ("group", group_id) or, for a rollout without a group, ("rollout", rollout_id); plus the
+# harness with group_by "group_id+harness". Ids are free text, so the parts stay apart in a tuple: a groupless
+# rollout named like a group, or a separator inside an id, cannot make two groups one.
+GroupKey = tuple[str, ...]
+K = TypeVar("K", bound=Hashable)
 
 
-def group_moments(rewards: dict[str, float], keys: dict[str, str]) -> dict[str, tuple[float, float, int]]:
+def group_key(info: RolloutInfo, group_by: str) -> GroupKey:
+    """The rollout's GRPO group; a rollout without a group (None or empty group_id) is a group of its own."""
+    base = ("group", info.group_id) if info.group_id else ("rollout", info.rollout_id)
+    return (*base, info.harness) if group_by == "group_id+harness" else base
+
+
+def group_moments(rewards: dict[str, float], keys: Mapping[str, K]) -> dict[K, tuple[float, float, int]]:
     """Per group key: (mean, sample std, count) of its rollouts' rewards."""
-    by: dict[str, list[float]] = {}
+    by: dict[K, list[float]] = {}
     for rid, r in rewards.items():
         by.setdefault(keys[rid], []).append(r)
     return {k: (float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, len(v)) for k, v in by.items()}
 
 
 def outcome_advantages(
-    rewards: dict[str, float], keys: dict[str, str], *, scale_std: bool, leave_one_out: bool
+    rewards: dict[str, float], keys: Mapping[str, K], *, scale_std: bool, leave_one_out: bool
 ) -> dict[str, float]:
     """Group-relative outcome advantage per rollout id."""
     moments = group_moments(rewards, keys)

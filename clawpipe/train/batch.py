@@ -110,7 +110,7 @@ def build_batch(
         for h in sorted({rollouts[r].harness for r in rewards}):
             hr = np.asarray([v for r, v in rewards.items() if rollouts[r].harness == h])
             stats[f"reward/mean/{h}"], stats[f"reward/std/{h}"] = float(hr.mean()), float(hr.std())
-    skip_groups: set[str] = set()
+    skip_groups: set[adv_mod.GroupKey] = set()
     if config.algorithm == "grpo":
         skip_groups = {k for k, (_, std, n) in moments.items() if n < 2 or std < 1e-8}
     stats["groups"] = len(moments) + len(out_of_range)

@@ -27,10 +27,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RolloutInfo:
-    """What training needs of a rollout: its outcome reward, GRPO group and harness."""
+    """What training needs of a rollout: its outcome reward, GRPO group and harness.
+
+    ``group_id`` is the rollout's own (None without one: it is then a group of its own, never the group
+    whose id equals its rollout id; clawpipe.train.advantages.group_key)."""
 
     rollout_id: str
-    group_id: str
+    group_id: str | None
     harness: str
     reward: float
 

@@ -77,7 +77,7 @@ def load_trees(
         reward = r["reward"]
         infos[r["rollout_id"]] = RolloutInfo(
             r["rollout_id"],
-            r["group_id"] or r["rollout_id"],
+            r["group_id"] or None,  # no group (null or empty): a group of its own (advantages.group_key)
             r["harness"] or "unknown",
             float("nan") if reward is None else float(reward),
         )

@@ -33,7 +33,7 @@ OPTIONAL: dict[str, pa.DataType] = {
     "token_source": pa.string(),
     "reward": pa.float64(),
 }
-SORT_KEYS = ("group_id", "sample_idx", "rollout_id", "seq", "t_start", "call_id", "choice_index")
+SORT_KEYS = ("group_key", "sample_idx", "rollout_id", "seq", "t_start", "call_id", "choice_index")
 
 
 @dataclass
@@ -72,8 +72,8 @@ class CallBatch:
     call_code: np.ndarray
     rollout_code: np.ndarray
     rollout_ids: list[str]
-    group_code: np.ndarray
-    group_ids: list[str]
+    group_code: np.ndarray  # per row: index into group_keys
+    group_keys: list[str]  # group_key() of each group
     reward_of_rollout: np.ndarray  # NaN where unknown
     mv_prompt: memoryview = field(repr=False)
     mv_completion: memoryview = field(repr=False)
@@ -91,6 +91,20 @@ class CallBatch:
         )
 
 
+def group_keys(group_id: pa.ChunkedArray, rollout_id: pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
+    """Per row: the real group id (null when the rollout has none: null or empty) and the group key.
+
+    A rollout without a group forms a group of its own. Keys are ``g:<group_id>`` or ``r:<rollout_id>``
+    (as in sql/trees/calls.sql): ids are free text, so a groupless rollout named like a group must not
+    take that group's key.
+    """
+    gid = group_id.combine_chunks().cast(pa.string())
+    gid = pc.if_else(pc.fill_null(pc.equal(gid, ""), False), pa.scalar(None, pa.string()), gid)
+    rid = rollout_id.combine_chunks().cast(pa.string())
+    key = pc.coalesce(pc.binary_join_element_wise("g:", gid, ""), pc.binary_join_element_wise("r:", rid, ""))
+    return gid, key
+
+
 def prepare(calls: pa.Table) -> CallBatch:
     """The rows sorted into rank order, with what the trees need of them as numpy arrays."""
     missing = [c for c in REQUIRED if c not in calls.column_names]
@@ -99,9 +113,11 @@ def prepare(calls: pa.Table) -> CallBatch:
     for name, typ in OPTIONAL.items():
         if name not in calls.column_names:
             calls = calls.append_column(name, pa.nulls(len(calls), typ))
-    calls = calls.set_column(
-        calls.column_names.index("group_id"), "group_id", pc.coalesce(calls["group_id"], calls["rollout_id"])
-    )
+    group_id, key = group_keys(calls["group_id"], calls["rollout_id"])
+    calls = calls.set_column(calls.column_names.index("group_id"), "group_id", group_id)
+    if "group_key" in calls.column_names:
+        calls = calls.drop_columns(["group_key"])
+    calls = calls.append_column("group_key", key)
     keys = calls.select(list(SORT_KEYS))
     order = pc.sort_indices(keys, sort_keys=[(k, "ascending", "at_end") for k in SORT_KEYS])
     lists = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
@@ -129,7 +145,7 @@ def prepare(calls: pa.Table) -> CallBatch:
 
     call_code, _ = codes(calls["call_id"])
     rollout_code, rollout_ids = codes(calls["rollout_id"])
-    group_code, group_ids = codes(calls["group_id"])
+    group_code, keys_of_groups = codes(calls["group_key"])
     reward = pc.fill_null(calls["reward"], np.nan).to_numpy()
     reward_of_rollout = np.full(len(rollout_ids), np.nan)
     reward_of_rollout[rollout_code[::-1]] = reward[::-1]  # the first row's reward per rollout
@@ -150,7 +166,7 @@ def prepare(calls: pa.Table) -> CallBatch:
         rollout_code=rollout_code,
         rollout_ids=rollout_ids,
         group_code=group_code,
-        group_ids=group_ids,
+        group_keys=keys_of_groups,
         reward_of_rollout=reward_of_rollout,
         mv_prompt=memoryview(p_be),  # type: ignore[arg-type]
         mv_completion=memoryview(c_be),  # type: ignore[arg-type]

@@ -42,6 +42,12 @@ def tree_id_of(scope: str, key: str) -> str:
     return f"{scope}:{key}"
 
 
+def group_tree_id(group_id: str | None, rollout_id: str) -> str:
+    """The group tree's id: ``group:<group_id>``, or ``group-of:<rollout_id>`` for a rollout without a group
+    (a group of its own), which ``group:<rollout_id>`` would confuse with the group of that name."""
+    return tree_id_of("group", group_id) if group_id is not None else f"group-of:{rollout_id}"
+
+
 @dataclass
 class _Acc:
     """Per-node arrays of every tree built so far (concatenated at the end), plus tree_stats rows."""
@@ -85,8 +91,8 @@ def _add_tree(
     acc: _Acc,
     b: CallBatch,
     scope: str,
-    key: str,
-    group: str,
+    tid: str,
+    group: str | None,
     rollout: str | None,
     all_rows: np.ndarray,
     nodes: TreeNodes | None,
@@ -94,7 +100,6 @@ def _add_tree(
     """Append one built tree (``nodes``: None when no row of ``all_rows`` is in the tree) and its stats."""
     rows = all_rows[b.in_tree[all_rows]]
     t = len(acc.tree_ids)
-    tid = tree_id_of(scope, key)
     acc.tree_ids.append(tid)
     acc.scopes.append(scope)
     n = 0 if nodes is None else len(nodes.start)
@@ -173,7 +178,7 @@ def build_forest(calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[
         bounds = np.flatnonzero(np.diff(b.group_code)) + 1
         for g_rows in np.split(np.arange(len(b.group_code)), bounds):
             keys = {r: b.key(r) for r in g_rows[b.in_tree[g_rows]].tolist()}
-            group = b.group_ids[int(b.group_code[g_rows[0]])]
+            group = b.table["group_id"][int(g_rows[0])].as_py()  # the real one: None without a group
             # the rollout trees come first: a group tree's branches take their labels from them
             per_rollout: dict[int, TreeNodes] = {}
             rc = b.rollout_code[g_rows]
@@ -185,12 +190,13 @@ def build_forest(calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[
                     per_rollout[code] = r_nodes
                 if "rollout" in scopes:
                     rid = b.rollout_ids[code]
-                    _add_tree(acc, b, "rollout", rid, group, rid, r_rows, r_nodes)
+                    _add_tree(acc, b, "rollout", tree_id_of("rollout", rid), group, rid, r_rows, r_nodes)
             if "group" in scopes:
                 rows = g_rows[b.in_tree[g_rows]]
                 g_seqs = _sequences(b, rows, keys)
                 g_nodes = build_tree(g_seqs, group_scope=True, rollout_trees=per_rollout) if len(rows) else None
-                _add_tree(acc, b, "group", group, group, None, g_rows, g_nodes)
+                tid = group_tree_id(group, b.rollout_ids[int(b.rollout_code[g_rows[0]])])
+                _add_tree(acc, b, "group", tid, group, None, g_rows, g_nodes)
         nodes = _assemble(acc, b, run_id, iteration)
         sequences = _sequence_rows(acc, b, run_id, iteration)
     else:

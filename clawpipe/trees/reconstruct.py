@@ -49,11 +49,11 @@ class BuildSummary:
 
 
 def plan_batches(groups: pa.Table, token_budget: int) -> list[list[str]]:
-    """Split groups (group_id, n_tokens) into batches of whole groups of at most ``token_budget`` tokens."""
+    """Split groups (group_key, n_tokens) into batches of whole groups' keys of at most ``token_budget`` tokens."""
     batches: list[list[str]] = []
     current: list[str] = []
     used = 0
-    for gid, n in zip(groups["group_id"].to_pylist(), groups["n_tokens"].to_pylist(), strict=True):
+    for gid, n in zip(groups["group_key"].to_pylist(), groups["n_tokens"].to_pylist(), strict=True):
         n = int(n or 0)
         if current and used + n > token_budget:
             batches.append(current)

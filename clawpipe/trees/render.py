@@ -45,7 +45,10 @@ def read_tree_nodes(
     params = {"tree_id": tree_id, "run_id": run_id or "", "iteration": -1 if iteration is None else int(iteration)}
     rows = con.sql(sql_text("trees/show"), params=params).to_arrow_table().to_pylist()
     if not rows:
-        raise TreeError(f"no tree {tree_id!r} in {lake_root}; ids look like rollout:<rollout_id> or group:<group_id>")
+        raise TreeError(
+            f"no tree {tree_id!r} in {lake_root}; ids look like rollout:<rollout_id> or group:<group_id> "
+            "(group-of:<rollout_id> for a rollout without a group)"
+        )
     parts = {(r["run_id"], r["iteration"]) for r in rows}
     if len(parts) > 1:
         raise TreeError(

@@ -1,5 +1,6 @@
 -- Groups of one run iteration with their call count and token volume, to plan tree building in
--- memory-bounded batches of whole groups. Rollouts without a group form a group of their own.
+-- memory-bounded batches of whole groups, by group_key (sql/trees/calls.sql): a rollout without a group forms a
+-- group of its own, apart from any group whose id equals its rollout id.
 -- include: common/latest_rollouts
 with runs as (
     select
@@ -10,7 +11,8 @@ with runs as (
 
 final as (
     select
-        coalesce(runs.group_id, model_calls.rollout_id) as group_id,
+        coalesce('g:' || nullif(runs.group_id, ''), 'r:' || model_calls.rollout_id) as group_key,
+        any_value(nullif(runs.group_id, '')) as group_id,
         count(distinct model_calls.rollout_id) as n_rollouts,
         count(*) as n_rows,
         sum(coalesce(len(model_calls.prompt_token_ids), 0) + coalesce(len(model_calls.completion_token_ids), 0))
@@ -23,4 +25,4 @@ final as (
 
 select *
 from final
-order by group_id
+order by group_key

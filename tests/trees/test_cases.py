@@ -286,7 +286,8 @@ def test_build_trees_without_iteration_builds_every_iteration(tmp_path: Path) ->
 
 def test_calls_of_unknown_rollouts_still_get_a_tree(tmp_path: Path) -> None:
     stats = _build(tmp_path, [call("c1", "orphan", 0, SYS, [20])], [])
-    assert set(stats) == {"rollout:orphan", "group:orphan"}
+    assert set(stats) == {"rollout:orphan", "group-of:orphan"}  # no rollouts row: no group, one of its own
+    assert stats["group-of:orphan"]["group_id"] is None
     leaf = read_tree(tmp_path, RUN, 0, "rollout:orphan")[-1]
     assert leaf["is_leaf"] and leaf["reward"] is None
 

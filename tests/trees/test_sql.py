@@ -36,16 +36,17 @@ def test_calls_sql_joins_latest_attempt_orders_and_filters_groups(tmp_path: Path
         ("c1", "g1", 1.0),
         ("c2", "g1", 1.0),
         ("d1", "g1", 0.5),
-        ("e1", "rc", None),  # no group: a group of its own
+        ("e1", None, None),  # no group: a group of its own, its group_id stays null
     ]
-    only = con.sql(sql_text("trees/calls"), params={**params, "all_groups": False, "group_ids": ["rc"]})
+    assert [r["group_key"] for r in got] == ["g:g1", "g:g1", "g:g1", "r:rc"]
+    only = con.sql(sql_text("trees/calls"), params={**params, "all_groups": False, "group_ids": ["r:rc"]})
     assert [r[0] for r in only.fetchall()] == ["e1"]
     groups = con.sql(sql_text("trees/groups"), params={"run_id": "R", "iteration": 0}).to_arrow_table()
     assert groups.to_pylist() == [
-        {"group_id": "g1", "n_rollouts": 2, "n_rows": 3, "n_tokens": 1 + 1 + 2 + 1 + 1},
-        {"group_id": "rc", "n_rollouts": 1, "n_rows": 1, "n_tokens": 2},
+        {"group_key": "g:g1", "group_id": "g1", "n_rollouts": 2, "n_rows": 3, "n_tokens": 1 + 1 + 2 + 1 + 1},
+        {"group_key": "r:rc", "group_id": None, "n_rollouts": 1, "n_rows": 1, "n_tokens": 2},
     ]
-    assert plan_batches(groups, 6) == [["g1"], ["rc"]] and plan_batches(groups, 100) == [["g1", "rc"]]
+    assert plan_batches(groups, 6) == [["g:g1"], ["r:rc"]] and plan_batches(groups, 100) == [["g:g1", "r:rc"]]
     assert con.sql(sql_text("trees/iterations"), params={"run_id": "R"}).fetchall() == [(0,)]
 
 
