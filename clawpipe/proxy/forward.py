@@ -24,8 +24,8 @@ from clawpipe.capture import HEADER_FORMAT, CaptureHeader
 from clawpipe.errors import ClawpipeError
 from clawpipe.keys import RolloutKey
 from clawpipe.proxy import respond, wire
-from clawpipe.proxy.body import read_call_body
 from clawpipe.proxy.call import Call
+from clawpipe.proxy.checker import BodyChecker
 from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.outcome import Outcome, judge
@@ -75,6 +75,7 @@ class CallPath:
     def __init__(self, owner: CallOwner, retokenizer: Retokenizer | None = None) -> None:
         self.owner = owner
         self.retok = retokenizer
+        self.checker = BodyChecker()  # large bodies are parsed off the event loop
         self.calls: set[Call] = set()  # calls waiting for their upstream: the proxy's sweep times them out
         self._seq: dict[tuple[str, int, str], int] = {}
         self._recorded: set[str] = set()  # call ids of calls being answered whose record was submitted
@@ -144,7 +145,7 @@ class CallPath:
         body, stream = req.body, False
         if api != "models":  # a JSON body: checked here, so the upstream never sees a malformed one
             try:
-                checked = read_call_body(api, body, req.headers.get(b"content-encoding"))
+                checked = await self.checker.check(api, body, req.headers.get(b"content-encoding"))
             except BadRequest as exc:
                 await self.fail(conn, req, header, exc.status, str(exc), anthropic)
                 return

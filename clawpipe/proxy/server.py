@@ -186,6 +186,7 @@ class ProxyServer:
             conn.close()
         for rep in self._replicas:
             rep.close()
+        await self.calls.checker.close()
         await self._loop.run_in_executor(None, self.writer.close)
         log.info("proxy stopped instance=%s sealed=%s", self.instance, self.writer.sealed[-3:])
 
@@ -377,6 +378,8 @@ class ProxyServer:
             rss_bytes=_rss_bytes(),
             connections=len(self._conns),
             buffered_body_bytes=self.body_budget.used,
+            bodies_checked_in_worker=self.calls.checker.offloaded,
+            body_checker_restarts=self.calls.checker.worker_restarts,
             upstream_connections={r.url: r.open for r in self._replicas},
             upstream_waiting={r.url: r.waiting for r in self._replicas},
         )

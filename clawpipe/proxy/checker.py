@@ -1,0 +1,173 @@
+"""Large request bodies are checked in a worker process, so one parse never holds the proxy's event loop.
+
+Every model call's body is parsed once (:func:`clawpipe.proxy.body.read_call_body`). JSON parsers hold the
+GIL, so a thread does not help: a 30 MiB body of ``[{},{},...]`` holds the loop ~0.75 s, and every other
+rollout's call waits that long. Bodies up to ``inline_max_bytes`` (1 MiB: a few ms at worst) are checked
+inline; larger ones go to one long-lived worker (``python -m clawpipe.proxy.checker``), started on first use,
+over a length-prefixed pipe protocol, one body at a time. The loop meanwhile serves everything else.
+
+The worker runs the very same function, so an answer (the forwarded bytes, or the 400/415 and its message) is
+the one the inline path gives. A worker that dies (killed, out of memory) fails only the body it held, with
+a 503 that says to retry, and the next large body starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import sys
+
+import msgspec
+
+from clawpipe.proxy.body import CallBody, read_call_body
+from clawpipe.proxy.wire import BadRequest
+
+log = logging.getLogger(__name__)
+
+INLINE_MAX_BYTES = 1 << 20
+_NONE = 0xFFFFFFFF  # a length meaning "no value"
+_ASK = struct.Struct("<IIQ")  # api length, content-encoding length, body length
+_OK = struct.Struct("<BIIQ")  # stream, model length, request_changes length, forwarded length
+_BAD = struct.Struct("<HI")  # status, message length
+_KIND_OK, _KIND_BAD = b"o", b"b"
+
+
+def _opt(value: bytes | None) -> tuple[int, bytes]:
+    return (_NONE, b"") if value is None else (len(value), value)
+
+
+def check_to_bytes(api: str, body: bytes, coding: bytes | None) -> bytes:
+    """The answer for one body, as the worker writes it."""
+    try:
+        checked = read_call_body(api, body, coding)
+    except BadRequest as exc:
+        msg = str(exc).encode()
+        return _KIND_BAD + _BAD.pack(exc.status, len(msg)) + msg
+    n_model, model = _opt(None if checked.model is None else checked.model.encode())
+    n_changes, changes = _opt(None if checked.request_changes is None else bytes(checked.request_changes))
+    head = _OK.pack(checked.stream, n_model, n_changes, len(checked.forwarded))
+    return _KIND_OK + head + model + changes + checked.forwarded
+
+
+class BodyChecker:
+    """Checks call bodies: small ones inline, large ones in the worker process (see the module docstring)."""
+
+    def __init__(self, inline_max_bytes: int = INLINE_MAX_BYTES) -> None:
+        self.inline_max_bytes = inline_max_bytes
+        self.offloaded = 0  # bodies checked by the worker
+        self.worker_restarts = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def check(self, api: str, body: bytes, coding: bytes | None) -> CallBody:
+        """The checked body; raises :class:`BadRequest` as :func:`read_call_body` does (or 503: worker lost)."""
+        if len(body) <= self.inline_max_bytes:
+            return read_call_body(api, body, coding)
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            self.offloaded += 1
+            try:
+                return await self._ask(api, body, coding)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                await self._forget()
+                log.warning("body checker worker lost while checking a %d-byte body: %r", len(body), exc)
+                raise BadRequest(
+                    503, "the proxy's body checker stopped while reading this request; send it again"
+                ) from exc
+
+    async def _ask(self, api: str, body: bytes, coding: bytes | None) -> CallBody:
+        proc = await self._worker()
+        assert proc.stdin is not None and proc.stdout is not None
+        api_b, coding_b = api.encode(), coding or b""
+        proc.stdin.write(_ASK.pack(len(api_b), len(coding_b), len(body)) + api_b + coding_b)
+        proc.stdin.write(body)
+        await proc.stdin.drain()
+        out = proc.stdout
+        kind = await out.readexactly(1)
+        if kind == _KIND_BAD:
+            status, n = _BAD.unpack(await out.readexactly(_BAD.size))
+            raise BadRequest(status, (await out.readexactly(n)).decode())
+        if kind != _KIND_OK:
+            raise ValueError(f"body checker answered {kind!r}")
+        stream, n_model, n_changes, n_fwd = _OK.unpack(await out.readexactly(_OK.size))
+        model = None if n_model == _NONE else (await out.readexactly(n_model)).decode()
+        changes = None if n_changes == _NONE else msgspec.Raw(await out.readexactly(n_changes))
+        forwarded = await out.readexactly(n_fwd)
+        return CallBody(forwarded, bool(stream), model, changes)
+
+    async def _worker(self) -> asyncio.subprocess.Process:
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            return proc
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "clawpipe.proxy.checker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=1 << 16,
+        )
+        return self._proc
+
+    async def _forget(self) -> None:
+        """Kill and reap a worker that failed mid-answer; the next large body starts a fresh one."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        self.worker_restarts += 1
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+    @property
+    def worker_pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    async def close(self) -> None:
+        """Stop the worker (it also exits by itself when the proxy's end of the pipe closes)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+def _read_exactly(stream: object, n: int) -> bytes:
+    read = stream.read  # type: ignore[attr-defined]
+    parts, left = [], n
+    while left:
+        chunk = read(left)
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def worker_main() -> None:
+    """The worker: check bodies from stdin until it closes, each answer flushed to stdout."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            n_api, n_coding, n_body = _ASK.unpack(_read_exactly(stdin, _ASK.size))
+            api = _read_exactly(stdin, n_api).decode()
+            coding = _read_exactly(stdin, n_coding) or None
+            body = _read_exactly(stdin, n_body)
+        except EOFError:
+            return
+        stdout.write(check_to_bytes(api, body, coding))
+        stdout.flush()
+        del body
+
+
+if __name__ == "__main__":
+    worker_main()
