@@ -28,7 +28,8 @@ class MessagesRoutes(Routes):
             raise RequestError("max_tokens: Field required; send the most tokens to generate, e.g. 1024")
         messages, tools = convert.anthropic_messages(body)
         tools = convert.apply_tool_choice(body, tools, "anthropic")
-        prompt = await self.render(messages, tools)
+        # a final assistant message is a prefill: the response continues it and holds only the continuation
+        prompt = await self.render(messages, tools, convert.anthropic_ending(body, messages))
         params = self.build_params(
             body,
             prompt,
@@ -175,4 +176,5 @@ class MessagesRoutes(Routes):
         self.model_name(body)
         messages, tools = convert.anthropic_messages(body)
         tools = convert.apply_tool_choice(body, tools, "anthropic")
-        return JSONResponse({"input_tokens": len(await self.render(messages, tools))})
+        prompt = await self.render(messages, tools, convert.anthropic_ending(body, messages))
+        return JSONResponse({"input_tokens": len(prompt)})

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from clawpipe.apis import requests
 from clawpipe.errors import RequestShapeError
 from clawpipe.serving.params import RequestError, SamplingParams
+from clawpipe.serving.splice import Ending
 
 T = TypeVar("T")
 
@@ -263,3 +264,75 @@ def anthropic_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list
     _check_messages(body, "messages")
     check_parts(body.get("system"), "system")
     return _served(requests.anthropic_messages, body)
+
+
+# ---------------------------------------------------------------- how the prompt ends: a new turn or a continued one
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"'{key}' must be true or false, got {json.dumps(value)[:80]}", param=key)
+    return value
+
+
+def chat_ending(body: dict[str, Any], messages: list[dict[str, Any]]) -> Ending:
+    """How a chat prompt ends, by vLLM's extra fields: `add_generation_prompt` (default true) opens a new
+    assistant turn; `continue_final_message` leaves the final assistant message open to be continued, and
+    needs `add_generation_prompt` false (both true is a 400, as vLLM answers it); neither renders the messages
+    as they are."""
+    cont = _flag(body, "continue_final_message", False)
+    gen = _flag(body, "add_generation_prompt", True)
+    if cont and gen:
+        raise RequestError(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true (add_generation_prompt "
+            'defaults to true): send "add_generation_prompt": false to continue the final message',
+            param="continue_final_message",
+        )
+    if not cont:
+        return "generate" if gen else "closed"
+    last = messages[-1]
+    if last["role"] != "assistant":
+        raise RequestError(
+            f"'continue_final_message' continues the final assistant message, but the final message's role is "
+            f"{last['role']!r}: end 'messages' with the assistant text to continue, or drop continue_final_message",
+            param="continue_final_message",
+        )
+    if last.get("tool_calls"):
+        raise RequestError(
+            "'continue_final_message': the final assistant message has tool_calls, and only text can be "
+            "continued; send the tool results after it, or drop its tool_calls",
+            param="continue_final_message",
+        )
+    return "continue"
+
+
+def anthropic_ending(body: dict[str, Any], messages: list[dict[str, Any]]) -> Ending:
+    """How a Messages prompt ends: a final assistant message is a prefill the response continues from (its
+    content then holds only the continuation), as the Messages API documents; otherwise a new turn.
+
+    As that API answers them: prefill text ending in whitespace is a 400, and so is a tool_use block in the
+    final assistant message (each tool_use needs its tool_result in a user message after it)."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        return "generate"
+    final = raw[-1]
+    if not isinstance(final, dict) or final.get("role") != "assistant" or messages[-1]["role"] != "assistant":
+        return "generate"
+    where = f"messages[{len(raw) - 1}]"
+    content = final.get("content")
+    for j, block in enumerate(content if isinstance(content, list) else []):
+        if isinstance(block, dict) and block.get("type") in ("tool_use", "server_tool_use"):
+            raise RequestError(
+                f"{where}.content[{j}]: the final assistant message holds a {block['type']} block without its "
+                "tool_result; send the tool_result in a user message after it (a response continues only text)"
+            )
+    text = str(messages[-1]["content"])
+    if text != text.rstrip():
+        raise RequestError(
+            f"{where}: final assistant content cannot end with trailing whitespace; strip it (the response "
+            "continues from exactly where the prefill ends)"
+        )
+    return "continue"

@@ -25,7 +25,7 @@ class ChatRoutes(Routes):
         model = self.model_name(body)
         messages, tools = convert.chat_messages(body)
         tools = convert.apply_tool_choice(body, tools, "chat")
-        prompt = await self.render(messages, tools)
+        prompt = await self.render(messages, tools, convert.chat_ending(body, messages))
         n = convert.int_field(body, "n")
         params = self.build_params(
             body,

@@ -21,7 +21,7 @@ from clawpipe.serving.body import MAX_REQUEST_BYTES, json_body
 from clawpipe.serving.engine import Engine
 from clawpipe.serving.params import RequestError, SamplingParams, ShuttingDown, TokenEvent, check_text_length
 from clawpipe.serving.response_store import ResponseStore
-from clawpipe.serving.splice import REQUEST_ROLLOUT, Prompt, TurnMemory, render_spliced
+from clawpipe.serving.splice import REQUEST_ROLLOUT, Ending, Prompt, TurnMemory, render_open
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
 
 
@@ -221,31 +221,44 @@ class Routes:
             )
         return str(name)
 
-    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
+    async def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ending: Ending = "generate"
+    ) -> Prompt:
         """The prompt ids of chat messages, rendered off the event loop: tokenizing a long conversation takes
         about a second per megabyte, and every other request's stream would stall behind it."""
-        return await asyncio.to_thread(self._render, messages, tools)  # the thread runs in this context (rollout)
+        return await asyncio.to_thread(self._render, messages, tools, ending)  # the thread runs in this context
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Prompt:
-        """The prompt ids of chat messages; assistant turns this engine generated for the request's rollout, as
-        they were answered, carry the ids it sampled for them (see clawpipe.serving.splice)."""
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ending: Ending) -> Prompt:
+        """The prompt ids of chat messages, ending as `ending` says (see clawpipe.serving.splice.Ending);
+        assistant turns this engine generated for the request's rollout, as they were answered, carry the ids
+        it sampled for them (see clawpipe.serving.splice)."""
         # user, system and tool text is rendered as sent (assistant turns may be trimmed by the template)
         self.check_text(sum(len(m["content"]) for m in messages if m["role"] != "assistant"))
         template_tools: Any = tools or None
         rollout = REQUEST_ROLLOUT.get() if self.options.splice else None
+        tok = self.engine.tokenizer
         try:
             found = self.turns.find(rollout, messages) if rollout else {}
-            if found:
-                got = render_spliced(self.engine.tokenizer, messages, template_tools, found, set(self.engine.stop_ids))
+            if found or ending == "continue":
+                # an open final turn always takes this path: its body is encoded on its own (see render_open)
+                got = render_open(tok, messages, template_tools, found, set(self.engine.stop_ids), ending)
                 if got is not None:
-                    self.turns.count(len(found), got[1])
-                    return Prompt(got[0], got[1], rollout)
-            ids: Any = self.engine.tokenizer.apply_chat_template(
-                messages, tools=template_tools, tokenize=True, add_generation_prompt=True, return_dict=False
+                    if got.spliced:
+                        self.turns.count(got.spliced_turns, got.spliced)
+                    got.rollout = rollout
+                    return got
+            ids: Any = tok.apply_chat_template(
+                messages,
+                tools=template_tools,
+                tokenize=True,
+                add_generation_prompt=ending == "generate",
+                continue_final_message=ending == "continue",
+                return_dict=False,
             )
         except Exception as exc:
             raise RequestError(f"the messages cannot be rendered through the chat template: {exc}") from exc
-        return Prompt([int(t) for t in ids], 0, rollout)
+        prefill = str(messages[-1]["content"]) if ending == "continue" else None
+        return Prompt([int(t) for t in ids], 0, rollout, prefill)
 
     def check_text(self, chars: int) -> None:
         """RequestError when prompt text this long cannot fit, checked before it is tokenized."""
@@ -258,7 +271,10 @@ class Routes:
         """Remember a finished choice of a rollout's request, as the client was shown it, for its next turns."""
         rollout = getattr(prompt, "rollout", None)
         if rollout and self.options.splice and choice.finish_reason is not None:
-            self.turns.remember(rollout, choice.shown, calls, choice.token_ids)
+            # a continued turn goes back to the client's history whole: prefill and completion as one turn
+            turn = prompt.turn(choice.shown, choice.token_ids) if isinstance(prompt, Prompt) else None
+            if turn is not None:
+                self.turns.remember(rollout, turn[0], calls, turn[1])
 
     def max_tokens(self, requested: int | None, n_prompt: int) -> int:
         if requested is None:

@@ -10,6 +10,12 @@ placeholder in place of the turn's content (its tool calls dropped, since the sa
 is cut around the placeholders, each piece is encoded, and the sampled ids go between. A turn the harness
 changed does not match and is re-encoded as before, which shows in the trees as a genuine rewrite.
 
+A request may also end in an open assistant turn (``continue``: Anthropic's prefill, vLLM's
+``continue_final_message``): the template is rendered with that turn left open and its body goes in as its own
+piece, encoded alone (or the sampled ids of a cut-off completion it repeats), so the prompt ends with exactly
+the prefill's ids, the boundary the model's own answers start at. The completion is remembered joined to that
+prefill, as a client sends the whole turn back.
+
 Memory is bounded: the least recently used rollouts are forgotten beyond ``max_rollouts``, and a rollout's
 oldest completions beyond ``max_tokens`` ids.
 """
@@ -25,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +40,41 @@ ROLLOUT_HEADER = "x-clawpipe-rollout"
 REQUEST_ROLLOUT: ContextVar[str | None] = ContextVar("clawpipe_request_rollout", default=None)
 
 
+# How a prompt ends after the request's messages: a new assistant turn opened by the template's generation
+# prompt (the default), the final assistant message left open to be continued (Anthropic's prefill, vLLM's
+# continue_final_message), or the messages as they are (vLLM's add_generation_prompt false)
+Ending = Literal["generate", "continue", "closed"]
+
+
 class Prompt(list[int]):
     """A rendered prompt's ids, with how many of them were spliced in from earlier completions and the rollout
-    the request belongs to (None when no proxy named one)."""
+    the request belongs to (None when no proxy named one). A prompt ending in an open assistant turn also
+    carries that turn's text (`prefill`) and how many of the last ids are its body (`prefill_ids`; None when
+    the template did not let them be told apart)."""
 
-    def __init__(self, ids: Sequence[int] = (), spliced: int = 0, rollout: str | None = None) -> None:
+    def __init__(
+        self,
+        ids: Sequence[int] = (),
+        spliced: int = 0,
+        rollout: str | None = None,
+        prefill: str | None = None,
+        prefill_ids: int | None = None,
+    ) -> None:
         super().__init__(ids)
         self.spliced = spliced
         self.rollout = rollout
+        self.prefill = prefill
+        self.prefill_ids = prefill_ids
+        self.spliced_turns = 0  # how many earlier turns the spliced ids are the bodies of
+
+    def turn(self, content: str, ids: Sequence[int]) -> tuple[str, list[int]] | None:
+        """A completion of this prompt as the whole assistant turn a client sends back: (text, ids) with the
+        open turn's prefill in front; None when the prefill's ids are not known apart from the rest."""
+        if self.prefill is None:
+            return content, list(ids)
+        if self.prefill_ids is None:
+            return None
+        return self.prefill + content, self[len(self) - self.prefill_ids :] + list(ids)
 
 
 def call_key(call_id: str) -> str:
@@ -163,44 +196,91 @@ def render_spliced(
     tools: list[dict[str, Any]] | None,
     found: dict[int, list[int]],
     stop_ids: set[int],
+    ending: Ending = "generate",
 ) -> tuple[list[int], int] | None:
     """(prompt ids with the sampled ids of the `found` turns spliced in, how many ids were spliced), or None
     when the template does not render each placeholder exactly once (the caller then renders as usual).
 
     A turn's sampled ids end with the end-of-turn token the model chose; the template's own end-of-turn text
     right after the placeholder is then dropped, so the turn ends once, as the model ended it."""
+    got = render_open(tokenizer, messages, tools, found, stop_ids, ending)
+    return None if got is None else (list(got), got.spliced)
+
+
+def render_open(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    found: dict[int, list[int]],
+    stop_ids: set[int],
+    ending: Ending = "generate",
+) -> Prompt | None:
+    """The prompt of `messages` ending as `ending` says, with the `found` turns' sampled ids spliced in (see
+    render_spliced), or None when the template does not render each placeholder exactly once.
+
+    With ending "continue" the final message is rendered open (transformers' continue_final_message) with a
+    placeholder for its body; the body then goes in encoded alone, or as the sampled ids of the completion it
+    repeats when that one was cut off (one that ended its turn would close the turn being continued)."""
+    last = len(messages) - 1
+    found = dict(found)
+    if ending == "continue" and last in found and _ending(tokenizer, found[last], stop_ids):
+        del found[last]
     nonce = secrets.token_hex(8)
     marks = {i: f"\u27e6clawpipe-turn-{nonce}-{i}\u27e7" for i in found}
+    if ending == "continue":
+        marks.setdefault(last, f"\u27e6clawpipe-turn-{nonce}-{last}\u27e7")
     staged = []
     for i, m in enumerate(messages):
         if i in marks:
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = marks[i]
         staged.append(m)
-    text = str(tokenizer.apply_chat_template(staged, tools=tools or None, tokenize=False, add_generation_prompt=True))
+    text = str(
+        tokenizer.apply_chat_template(
+            staged,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=ending == "generate",
+            continue_final_message=ending == "continue",
+        )
+    )
     pieces: list[str] = []
     rest = text
-    for i in sorted(found):
+    for i in sorted(marks):
         before, sep, after = rest.partition(marks[i])
         if not sep or marks[i] in after:
             log.debug("chat template did not render turn %d's placeholder once; not splicing", i)
             return None
         pieces.append(before)
         rest = after
+    if ending == "continue" and rest:
+        log.debug("chat template rendered text after the open final turn; not splicing")
+        return None
     pieces.append(rest)
     ids: list[int] = []
-    spliced = 0
+    spliced = turns = 0
+    prefill_ids: int | None = None
     for k, piece in enumerate(pieces):
         if k > 0:
-            turn = found[sorted(found)[k - 1]]
+            i = sorted(marks)[k - 1]
+            turn = found.get(i)
+            if turn is None:  # the open final turn's text, encoded on its own
+                turn = tokenizer.encode(messages[i]["content"], add_special_tokens=False)
+            else:
+                spliced += len(turn)
+                turns += 1
+                tail = _ending(tokenizer, turn, stop_ids)
+                if tail and piece.startswith(tail):
+                    piece = piece[len(tail) :]
             ids += turn
-            spliced += len(turn)
-            tail = _ending(tokenizer, turn, stop_ids)
-            if tail and piece.startswith(tail):
-                piece = piece[len(tail) :]
+            if ending == "continue" and i == last:
+                prefill_ids = len(turn)
         if piece:
             ids += tokenizer.encode(piece, add_special_tokens=False)
-    return ids, spliced
+    prefill = str(messages[last]["content"]) if ending == "continue" else None
+    got = Prompt(ids, spliced, prefill=prefill, prefill_ids=prefill_ids)
+    got.spliced_turns = turns
+    return got
 
 
 def _ending(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:
