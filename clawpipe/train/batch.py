@@ -67,42 +67,62 @@ class TrainBatch:
 
 
 def check_rewards(trees: list[TrainTree], rollouts: dict[str, RolloutInfo]) -> None:
-    """Every rollout with a sequence must have a finite reward; the error names the rollout."""
+    """Every rollout with a sequence must have a row in rollouts; the error names the rollout. (A rollout
+    without a finite reward is not an error: :func:`build_batch` leaves its group out and counts it.)"""
     for tree in trees:
         for s in tree.sequences:
-            info = rollouts.get(s.rollout_id)
-            if info is None:
+            if s.rollout_id not in rollouts:
                 raise TrainingError(
                     f"rollout {s.rollout_id} (tree {tree.tree_id}, call {s.call_id}) has no row in rollouts; "
                     "land its results first (`clawpipe lake land`) or rebuild the trees"
                 )
-            if info.reward is None or not math.isfinite(info.reward):
-                raise TrainingError(
-                    f"rollout {s.rollout_id} has reward {info.reward!r}: rewards must be finite numbers; "
-                    "fix the task verifier or drop the rollout's status via skip_statuses"
-                )
+
+
+def _finite(reward: float | None) -> bool:
+    return reward is not None and math.isfinite(reward)
+
+
+def _left_out_for_rewards(
+    missing: list[str], no_reward: set[adv_mod.GroupKey], out_of_range: set[adv_mod.GroupKey], rollouts: dict
+) -> str:
+    """What the groups left out for their rewards were, with examples, for the log and the error."""
+    parts = []
+    if no_reward:
+        examples = ", ".join(f"{r} (reward {rollouts[r].reward!r}, group {rollouts[r].group_id})" for r in missing[:3])
+        parts.append(f"{len(no_reward)} group(s) with a rollout without a finite reward ({len(missing)}: {examples})")
+    if out_of_range:
+        parts.append(f"{len(out_of_range)} group(s) with a reward beyond +-{REWARD_LIMIT:.3g}")
+    return "; ".join(parts)
 
 
 def build_batch(
     trees: list[TrainTree], rollouts: dict[str, RolloutInfo], config: TrainConfig, *, policy_version: int | None
 ) -> TrainBatch:
-    """Drop unusable trees and zero-variance groups, then lay out contributions, advantages and coefficients."""
+    """Drop unusable trees, groups without usable rewards and zero-variance groups, then lay out contributions,
+    advantages and coefficients. Raises when every group was left out for its rewards."""
     check_rewards(trees, rollouts)
     stats: dict[str, float] = {"trees_in": len(trees)}
     used = {s.rollout_id for t in trees for s in t.sequences}
-    rewards = {r: float(rollouts[r].reward) for r in used}
     keys = {r: adv_mod.group_key(rollouts[r], config.group_by) for r in used}
+    # A rollout without a finite reward (null: its verifier returned none; NaN, inf) leaves its group without a
+    # baseline: that group is left out alone and counted, and the step goes on with the others (failing the
+    # whole step would fail every retry of a scheduled run the same way).
+    missing = sorted(r for r in used if not _finite(rollouts[r].reward))
+    no_reward = {keys[r] for r in missing}
+    rewards = {r: float(rollouts[r].reward) for r in used if keys[r] not in no_reward}
     # Advantages and returns are float32 on the device: one group's reward beyond REWARD_LIMIT (finite in the
     # lake's float64) could make them inf and the whole step's loss NaN, so that group is left out alone.
     out_of_range = {keys[r] for r, v in rewards.items() if abs(v) > REWARD_LIMIT}
-    if out_of_range:
-        log.warning(
-            "%d group(s) left out: a reward beyond +-%.3g (float32 advantages would overflow), e.g. %s",
-            len(out_of_range),
-            REWARD_LIMIT,
-            sorted(out_of_range)[:3],
-        )
-        rewards = {r: v for r, v in rewards.items() if keys[r] not in out_of_range}
+    rewards = {r: v for r, v in rewards.items() if keys[r] not in out_of_range}
+    if no_reward or out_of_range:
+        left_out = _left_out_for_rewards(missing, no_reward, out_of_range, rollouts)
+        if not rewards:  # bad data, unlike zero variance (an empty step): a retry would not change it
+            raise TrainingError(
+                f"every group of the batch was left out for its rewards, nothing to train on: {left_out}; "
+                "fix the task verifier (rewards must be finite numbers) and land the results again, or leave "
+                "those rollouts out via skip_statuses"
+            )
+        log.warning("left out of training: %s", left_out)
     moments = adv_mod.group_moments(rewards, keys)
     if rewards:
         all_r = np.asarray(list(rewards.values()))
@@ -113,10 +133,12 @@ def build_batch(
     skip_groups: set[adv_mod.GroupKey] = set()
     if config.algorithm == "grpo":
         skip_groups = {k for k, (_, std, n) in moments.items() if n < 2 or std < 1e-8}
-    stats["groups"] = len(moments) + len(out_of_range)
+    stats["groups"] = len(moments) + len(out_of_range) + len(no_reward)
     stats["groups_skipped_zero_variance"] = len(skip_groups)
     stats["groups_skipped_reward_range"] = len(out_of_range)
-    skip_groups |= out_of_range
+    stats["groups_skipped_no_reward"] = len(no_reward)
+    stats["rollouts_no_reward"] = len(missing)
+    skip_groups |= out_of_range | no_reward
 
     kept: list[TrainTree] = []
     no_gen = 0

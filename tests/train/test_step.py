@@ -33,11 +33,16 @@ def policy_dir(tmp_path_factory) -> Path:
 
 
 def write_lake(
-    lake: Path, policy: Path, iteration: int = 0, *, nan_reward: str | None = None, trees: bool = True
+    lake: Path,
+    policy: Path,
+    iteration: int = 0,
+    *,
+    bad_rewards: dict[str, float | None] | None = None,
+    trees: bool = True,
 ) -> dict[str, str]:
     """Land the calls of random group trees (captured logprobs from the policy itself) and their rollouts,
     and build their trees with the trees room (unless trees=False); then add a retokenized call and a call
-    outside every tree (trees=True only)."""
+    outside every tree (trees=True only). bad_rewards: rollout id -> the reward to land instead."""
     model = load_policy(policy).model.eval()
     with_trees = trees
     trees, infos = random_group_trees(5, versions=(0,))
@@ -58,7 +63,7 @@ def write_lake(
             )  # fmt: skip
     roll_rows = []
     for rid, info in infos.items():
-        reward = float("nan") if rid == nan_reward else info.reward
+        reward = (bad_rewards or {}).get(rid, info.reward)
         roll_rows.append(
             dict(rollout_id=rid, run_id=RUN, iteration=iteration, group_id=info.group_id, harness=info.harness,
                  reward=reward, status="succeeded")
@@ -164,12 +169,30 @@ def test_bad_inputs(home, tmp_path, policy_dir):
         train_step(RUN, 0, lake_root=lake, policy_dir=broken, out_dir=tmp_path / "o", config=cfg)
     with pytest.raises(TrainingError, match="trees build"):
         train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=cfg)
-    write_lake(lake, policy_dir, nan_reward="g1r2")
-    with pytest.raises(TrainingError, match="g1r2"):
+    # no usable reward anywhere: the step says so, naming a rollout
+    write_lake(lake, policy_dir, bad_rewards={f"g{g}r{i}": None for g in range(2) for i in range(4)})
+    with pytest.raises(TrainingError, match=r"every group .* left out for its rewards.*g0r0"):
         train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=cfg)
     tables.replace_partition(lake, "rollouts", RUN, 0, ROLLOUTS.empty_table())
     with pytest.raises(TrainingError, match=r"no rows in rollouts: land its results first"):
         train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=cfg)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_rollout_without_a_reward_leaves_its_group_out_of_the_step(home, tmp_path, policy_dir, algorithm):
+    """A verifier that returned nothing for one rollout (reward null) costs its group, not the step."""
+    lake = tmp_path / "lake"
+    write_lake(lake, policy_dir, bad_rewards={"g1r2": None})
+    logged: list = []
+    cfg = make_config(algorithm=algorithm, learning_rate=1e-3)
+    result = train_step(
+        RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=cfg, tracker=Recorder(logged)
+    )
+    m = result.metrics
+    assert m["groups_skipped_no_reward"] == 1 and m["rollouts_no_reward"] == 1 and m["groups"] == 2
+    assert m["rollouts"] == 4 and m["tokens/trained"] > 0 and "empty_step" not in m  # group g0 trained
+    assert np.isfinite(m["loss/total"]) and result.policy_version == 1
+    assert logged[0][0]["train/groups_skipped_no_reward"] == 1 and logged[0][0]["train/rollouts_no_reward"] == 1
 
 
 class _Reload(BaseHTTPRequestHandler):
