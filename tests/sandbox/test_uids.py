@@ -8,7 +8,14 @@ fails; with a uid per sandbox it succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,8 +23,11 @@ from typing import Any
 
 import pytest
 
-from clawpipe.sandbox import RolloutSpec, run_rollouts
-from clawpipe.sandbox.uids import UidPool
+from clawpipe.config import get_settings
+from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.sandbox import Limits, RolloutSpec, run_rollouts
+from clawpipe.sandbox.limits import NPROC_SHARE, apply_rlimits
+from clawpipe.sandbox.uids import SHARED_USER, UidPool, processes_of, validate_range
 from tests.sandbox.support import EchoTaskSet, make_harness
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
@@ -165,3 +175,152 @@ def test_a_sandbox_exhausting_a_per_uid_budget_leaves_its_neighbour_its_own(
         assert uid == euid == gid and in_range(uid, pool), rep
         assert rep["name"] == "sandbox", rep
     assert hog["uid"][0] != neighbour["uid"][0]
+
+
+# --- the uid pool itself: exclusive across processes, cleaned after a killed holder, validated ---
+
+HOLDER = r"""
+import subprocess, sys, time
+from pathlib import Path
+from clawpipe.sandbox.uids import UidPool, processes_of
+pool = UidPool(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+lease = pool.lease()
+if sys.argv[4] == "stray":  # a process of the sandbox's uid that outlives its runner (like a container)
+    stray = subprocess.Popen(
+        ["setpriv", f"--reuid={lease.user.uid}", f"--regid={lease.user.gid}", "--clear-groups", "sleep", "600"],
+        start_new_session=True,
+    )
+    while stray.pid not in processes_of(lease.user.uid):  # setpriv has changed its uid
+        time.sleep(0.01)
+    print(lease.user.uid, stray.pid, flush=True)
+else:
+    print(lease.user.uid, 0, flush=True)
+time.sleep(600)
+"""
+
+BASE = 1_900_000  # a range of the tests' own, so no runner of another test takes these uids
+
+
+def start_holder(tmp: Path, count: int, mode: str = "plain") -> tuple[subprocess.Popen[str], int, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(BASE), str(count), str(tmp / "locks"), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.stdout is not None
+    uid, stray = map(int, proc.stdout.readline().split())
+    return proc, uid, stray
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.sandbox
+def test_concurrent_runners_never_share_a_uid_and_a_dead_runners_uid_comes_back(tmp_path: Path) -> None:
+    a, uid_a, _ = start_holder(tmp_path, 3)
+    b, uid_b, _ = start_holder(tmp_path, 3)
+    try:
+        mine = UidPool(BASE, 3, tmp_path / "locks").lease()  # a third holder, in this process
+        assert sorted({uid_a, uid_b, mine.user.uid}) == [BASE, BASE + 1, BASE + 2]
+        assert mine.user.gid == mine.user.uid
+        with pytest.raises(SandboxError, match="all 3 sandbox uids from 1900000 are in use"):
+            UidPool(BASE, 3, tmp_path / "locks").lease(wait_s=0.2)
+        stop(a)  # SIGKILL: no release ran, the kernel dropped its lock
+        again = UidPool(BASE, 3, tmp_path / "locks").lease(wait_s=5)
+        assert again.user.uid == uid_a
+        again.release()
+        mine.release()
+    finally:
+        stop(a)
+        stop(b)
+
+
+@pytest.mark.sandbox
+def test_a_uid_left_by_a_killed_runner_is_reused_only_after_its_stray_processes_are_killed(tmp_path: Path) -> None:
+    holder, uid, stray = start_holder(tmp_path, 1, "stray")
+    try:
+        assert stray in processes_of(uid)
+        stop(holder)  # the runner dies; its sandbox's process lives on under the uid
+        assert stray in processes_of(uid)
+        lease = UidPool(BASE, 1, tmp_path / "locks").lease(wait_s=5)
+        assert lease.user.uid == uid
+        assert processes_of(uid) == []  # killed before the uid was handed out again
+        lease.release()
+        assert (tmp_path / "locks" / f"{uid}.lock").read_bytes() == b""  # released clean: no sweep next time
+    finally:
+        stop(holder)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stray, signal.SIGKILL)
+
+
+def test_uid_ranges_are_validated_with_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"within \[1, 4294967294\]"):
+        validate_range(0, 10)
+    with pytest.raises(ConfigError, match=r"within \[1, 4294967294\]"):
+        validate_range(2**32 - 10, 100)
+    with pytest.raises(ConfigError, match=r"overlaps host users or groups \(1, 2, 3.*move the range"):
+        validate_range(1, 65534)  # daemon (1), bin, sys ... and nobody (65534) are inside
+    with pytest.raises(ConfigError, match=r"fewer than the 8 sandboxes.*CLAWPIPE_SANDBOX_UID_COUNT to at least 8"):
+        validate_range(BASE, 4, concurrency=8)
+    monkeypatch.setenv("CLAWPIPE_SANDBOX_UID_BASE", "1000")  # where the first real users live
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="overlaps host users"):
+            UidPool.from_settings()
+    finally:
+        monkeypatch.delenv("CLAWPIPE_SANDBOX_UID_BASE")
+        get_settings.cache_clear()
+
+
+def test_a_runner_refuses_more_sandboxes_at_once_than_its_uid_range_holds(tmp_path: Path) -> None:
+    spec = RolloutSpec(
+        run_id="u",
+        iteration=0,
+        harness=str(make_harness(tmp_path, "h", "pass\n")),
+        task=EchoTaskSet().generate(1)[0],
+        model="m",
+    )
+    meet = Rendezvous()  # something answers at the proxy's address: only the range is wrong
+    try:
+        with pytest.raises(ConfigError, match="holds 2 uids, fewer than the 4 sandboxes"):
+            run_rollouts(
+                [spec],
+                proxy_url=meet.url,
+                backend="bwrap",
+                concurrency=4,
+                secret=b"s",
+                results_path=tmp_path / "results.jsonl",
+                uid_pool=UidPool(BASE, 2, tmp_path / "l"),
+            )
+    finally:
+        meet.close()
+
+
+def test_without_a_usable_lock_folder_sandboxes_share_uid_65534_and_say_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)  # anyone could plant lock files: not trusted
+    with caplog.at_level(logging.WARNING, logger="clawpipe.sandbox.uids"):
+        lease = UidPool(BASE, 4, loose).lease()
+    assert lease.user == SHARED_USER
+    assert "every sandbox runs as the shared uid 65534" in caplog.text and "chmod 700" in caplog.text
+    lease.release()
+
+
+def test_the_rlimit_fallback_caps_processes_at_pids_exactly_for_a_uid_of_the_sandboxs_own() -> None:
+    caps = {}
+    for shared in (True, False):
+        proc = subprocess.Popen(["sleep", "30"])
+        try:
+            apply_rlimits(proc.pid, Limits(pids=7), {"pids"}, 10.0, shared_uid=shared)
+            caps[shared] = resource.prlimit(proc.pid, resource.RLIMIT_NPROC)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert caps[False] == (7, 7)  # its own uid: only its processes count
+    assert caps[True] == (7 * NPROC_SHARE, 7 * NPROC_SHARE)  # uid 65534: every such sandbox counts

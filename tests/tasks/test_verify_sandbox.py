@@ -13,6 +13,7 @@ from clawpipe.errors import ConfigError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.process import ProcessBackend
+from clawpipe.sandbox.uids import UidPool
 from clawpipe.sandbox.verify import check_backend, run_check, verify_rollout
 from clawpipe.tasks import CheckProgram, get_task_set
 from tests.sandbox.support import Upstream, make_harness
@@ -145,3 +146,26 @@ def test_a_check_cannot_write_more_than_the_host_reads(tmp_path: Path) -> None:
     assert run.log_tail == f"EFBIG {1 << 20}"  # stopped at the file-size limit (1 MiB), set before it started
     assert run.output is None and "larger than 1024 bytes" in (run.reason or "")
     assert not list((tmp_path / "scratch").iterdir())  # the check's folder is gone
+
+
+@pytest.mark.sandbox
+def test_a_check_runs_as_a_uid_of_its_own_that_is_free_again_afterwards(tmp_path: Path) -> None:
+    ident = (
+        "import json, os\nout = os.environ['CLAWPIPE_OUTPUT']\n"
+        "st = os.stat(out + '/result.json')\n"
+        "json.dump([os.getuid(), os.geteuid(), os.getgid(), st.st_uid, st.st_gid], open(out + '/result.json', 'w'))\n"
+    )
+    program = CheckProgram(files={"ident.py": ident}, command=("python3", "-I", "ident.py"))
+    pool = UidPool(1_950_000, 2, tmp_path / "locks")
+    held = pool.lease()  # a neighbour's sandbox holds the first uid of the range
+    backend = get_backend("bwrap")
+    try:
+        run = run_check(backend, program, tmp_path, scratch=tmp_path / "scratch", uids=pool)
+    finally:
+        backend.close()
+        held.release()
+    assert run.exit_code == 0, run
+    assert run.output == [1_950_001] * 5  # not the neighbour's uid; its result file was its own to write
+    again = pool.lease(wait_s=0)
+    assert again.user.uid == 1_950_000  # free again, and so is the check's own (else the lease above waits)
+    again.release()
