@@ -220,10 +220,11 @@ def render_open(
 
     With ending "continue" the final message is rendered open (transformers' continue_final_message) with a
     placeholder for its body; the body then goes in encoded alone, or as the sampled ids of the completion it
-    repeats when that one was cut off (one that ended its turn would close the turn being continued)."""
+    repeats when they spell exactly its text (cut off by max_tokens; the ids of one that ended its turn would
+    close the turn being continued, those of one cut at a stop string hold the stop string too)."""
     last = len(messages) - 1
     found = dict(found)
-    if ending == "continue" and last in found and _ending(tokenizer, found[last], stop_ids):
+    if ending == "continue" and last in found and not _spells(tokenizer, found[last], messages[last]["content"]):
         del found[last]
     nonce = secrets.token_hex(8)
     marks = {i: f"\u27e6clawpipe-turn-{nonce}-{i}\u27e7" for i in found}
@@ -281,6 +282,12 @@ def render_open(
     got = Prompt(ids, spliced, prefill=prefill, prefill_ids=prefill_ids)
     got.spliced_turns = turns
     return got
+
+
+def _spells(tokenizer: Any, ids: list[int], text: Any) -> bool:
+    """Whether `ids` decode to exactly `text` (end-of-turn and other special tokens included as their text)."""
+    got = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return bool(got == text)
 
 
 def _ending(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:

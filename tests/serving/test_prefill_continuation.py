@@ -274,21 +274,29 @@ def test_a_prefilled_turn_sent_back_whole_carries_prefill_and_sampled_ids(server
     assert second["spliced_tokens"] == len(_encode(tok, PREFILL)) + len(first["token_ids"])
 
 
-def test_a_finished_turn_repeated_as_prefill_is_not_closed_by_its_end_of_turn(tok: Any) -> None:
-    """A completion that ended its turn, sent back as the text to continue: its sampled ids end with the
-    end-of-turn token, so they are not spliced in (that would close the turn); its text is encoded instead."""
+@pytest.mark.parametrize("how", ["cut by max_tokens", "ended its turn", "cut at a stop string"])
+def test_a_completion_repeated_as_prefill_is_spliced_only_when_its_ids_spell_it(tok: Any, how: str) -> None:
+    """A rollout's completion sent back as the text to continue carries its sampled ids only when they spell
+    exactly that text: ids ending with the end-of-turn token would close the turn, and ids cut at a stop string
+    hold the stop string the client never saw; those are encoded from the text instead."""
     eos = tok.convert_tokens_to_ids(policy.IM_END)
+    sampled = [i for ch in "ok sure" for i in _encode(tok, ch)]  # non-canonical, as an untrained policy samples
+    if how == "ended its turn":
+        sampled.append(eos)
+    if how == "cut at a stop string":
+        sampled += _encode(tok, " END")
     memory = TurnMemory()
-    sampled = [i for ch in "ok sure" for i in _encode(tok, ch)] + [eos]
     memory.remember("r", "ok sure", [], sampled)
     messages = [*USER, {"role": "assistant", "content": "ok sure"}]
     found = memory.find("r", messages)
     assert found == {1: sampled}
     got = render_open(tok, messages, None, found, {eos}, "continue")
-    assert got is not None and got.spliced == 0
-    assert list(got) == _opened(tok, USER) + _encode(tok, "ok sure")
-    assert got.prefill_ids == len(_encode(tok, "ok sure"))
-    assert render_spliced(tok, messages, None, found, {eos}, "continue") == (list(got), 0)
+    assert got is not None
+    body = sampled if how == "cut by max_tokens" else _encode(tok, "ok sure")
+    assert list(got) == _opened(tok, USER) + body
+    assert (got.spliced, got.spliced_turns) == ((len(sampled), 1) if how == "cut by max_tokens" else (0, 0))
+    assert got.prefill_ids == len(body)
+    assert render_spliced(tok, messages, None, found, {eos}, "continue") == (list(got), got.spliced)
 
 
 @pytest.mark.parametrize("template", ["tiny", "qwen-like"])
