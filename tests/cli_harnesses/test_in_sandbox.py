@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from clawpipe.proxy import ProxyServer
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness
 from clawpipe.sandbox.rollout import RolloutResult, RolloutSpec
 from clawpipe.sandbox.runner import run_rollouts
+from clawpipe.sandbox.uids import UidPool
 from tests.cli_harnesses.support import REPO, VARIANTS, Blackhole, conversation
 from tests.support.upstream import ScriptedUpstream, say, shell_then_reply
 
@@ -172,7 +174,11 @@ def check_two_call_rollout(
         c1, c2 = c1[:-1], c2[:-1]
     assert c2[: len(c1)] == c1, f"{variant}: the follow-up extends the first request"
     tool_ctx = json.dumps(c2[len(c1) :])
-    assert "marker-42" in tool_ctx and "65534" in tool_ctx, f"{variant}: ran inside the sandbox as nobody"
+    pool = UidPool.from_settings()  # `id -u` printed a uid of the sandbox's own from the clawpipe range
+    uids = [int(n) for n in re.findall(r"\d+", tool_ctx)]
+    assert "marker-42" in tool_ctx and any(pool.base <= u < pool.base + pool.count for u in uids), (
+        f"{variant}: ran inside the sandbox as its own uid"
+    )
     lineage = list(calls[0].prompt_token_ids or []) + list(calls[0].choices[0].token_ids or [])
     second_prompt = list(calls[1].prompt_token_ids or [])
     assert lineage and len(second_prompt) > len(lineage)
