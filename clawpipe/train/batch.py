@@ -9,8 +9,10 @@ where clipping makes the per-sequence term non-linear in the advantage, and micr
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,18 @@ log = logging.getLogger(__name__)
 # Largest reward magnitude trained on: advantages reach at most 4x the group's reward spread (leave-one-out
 # or local + global tree terms, 2x each), so 16x this stays inside float32.
 REWARD_LIMIT = float(np.finfo(np.float32).max) / 16
+_NOT_IN_METRIC_NAMES = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def harness_metric_name(harness: str) -> str:
+    """The harness as one part of a metric name (``reward/mean/<part>``). Harness names in the lake are free text,
+    and MLflow refuses a whole batch of metrics over one name with another character or a part that resolves
+    elsewhere as a path (``..``); such a name is spelt with ``_`` instead and a short hash of the original, so
+    two harnesses never share metrics."""
+    if harness not in ("", ".", "..") and len(harness) <= 64 and not _NOT_IN_METRIC_NAMES.search(harness):
+        return harness
+    digest = hashlib.sha1(harness.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{_NOT_IN_METRIC_NAMES.sub('_', harness)[:64].strip('.') or 'harness'}-{digest}"
 
 
 @dataclass
@@ -129,7 +143,8 @@ def build_batch(
         stats["reward/mean"], stats["reward/std"] = float(all_r.mean()), float(all_r.std())
         for h in sorted({rollouts[r].harness for r in rewards}):
             hr = np.asarray([v for r, v in rewards.items() if rollouts[r].harness == h])
-            stats[f"reward/mean/{h}"], stats[f"reward/std/{h}"] = float(hr.mean()), float(hr.std())
+            name = harness_metric_name(h)
+            stats[f"reward/mean/{name}"], stats[f"reward/std/{name}"] = float(hr.mean()), float(hr.std())
     skip_groups: set[adv_mod.GroupKey] = set()
     if config.algorithm == "grpo":
         skip_groups = {k for k, (_, std, n) in moments.items() if n < 2 or std < 1e-8}
@@ -205,7 +220,7 @@ def build_batch(
         batch.contrib.adv = grpo_advantages(batch, config).astype(np.float32)
     stats["sequences"] = seq_id
     for h in harnesses:  # what the step trains of each harness (zero-variance groups are left out above)
-        stats[f"sequences/{h}"] = sum(rollouts[s.rollout_id].harness == h for _, s in sequences)
+        stats[f"sequences/{harness_metric_name(h)}"] = sum(rollouts[s.rollout_id].harness == h for _, s in sequences)
     stats["rollouts"] = len(infos)
     return batch
 

@@ -4,12 +4,13 @@ the batch, counted; the other groups train. Only a batch with no usable reward a
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
 
 from clawpipe.errors import TrainingError
-from clawpipe.train.batch import build_batch
+from clawpipe.train.batch import build_batch, harness_metric_name
 from clawpipe.train.config import make_config
 from clawpipe.train.data import RolloutInfo, TrainTree
 from tests.trees.training import build_tree
@@ -77,3 +78,12 @@ def test_a_sequence_whose_rollout_has_no_row_is_still_an_error() -> None:
     del infos["g0r1"]
     with pytest.raises(TrainingError, match=r"rollout g0r1 .* has no row in rollouts"):
         build_batch([tree], infos, make_config(), policy_version=None)
+
+
+def test_harness_metric_names_keep_plain_names_and_tell_odd_ones_apart() -> None:
+    assert harness_metric_name("claude-code_2.1") == "claude-code_2.1"
+    odd = ["a@b", "a+b", "a/../b", "..", ".", "", "x" * 300, "é"]
+    names = [harness_metric_name(h) for h in odd]
+    assert len(set(names)) == len(odd)
+    for n in names:
+        assert re.fullmatch(r"[A-Za-z0-9_.-]{1,80}", n) and n not in (".", ".."), n

@@ -195,6 +195,32 @@ def test_a_rollout_without_a_reward_leaves_its_group_out_of_the_step(home, tmp_p
     assert logged[0][0]["train/groups_skipped_no_reward"] == 1 and logged[0][0]["train/rollouts_no_reward"] == 1
 
 
+@pytest.mark.slow
+def test_harness_names_mlflow_refuses_still_log_their_metrics(home, tmp_path, policy_dir):
+    """Harness names in the lake are free text: per-harness metric names must be ones MLflow takes."""
+    from clawpipe.tracking import make_tracker
+
+    lake = tmp_path / "lake"
+    write_lake(lake, policy_dir)
+    rows = tables.connect(lake).sql("select * from rollouts").to_arrow_table().to_pylist()
+    odd = {"alpha": "claude@code+1", "beta": "a/../b"}
+    for r in rows:
+        r["harness"] = odd.get(r["harness"], r["harness"])
+    tables.replace_partition(lake, "rollouts", RUN, 0, pa.Table.from_pylist(rows, schema=ROLLOUTS))
+    tracker = make_tracker(True, experiment="train-harness-names")
+    run_id = tracker.start_run("r1")
+    result = train_step(
+        RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=make_config(), tracker=tracker
+    )
+    tracker.end()
+    logged = tracker.client.get_run(run_id).data.metrics
+    per_harness = sorted(k for k in logged if k.startswith("train/reward/mean/"))
+    assert len(per_harness) == 2 and per_harness == sorted(
+        f"train/{k}" for k in result.metrics if k.startswith("reward/mean/")
+    )
+    assert "train/loss/total" in logged
+
+
 class _Reload(BaseHTTPRequestHandler):
     seen: ClassVar[list] = []
 
