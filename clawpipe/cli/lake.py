@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,15 @@ def _lake_root(lake: str | None) -> str:
 def _fail(exc: Exception) -> None:
     typer.secho(f"error: {exc}", err=True, fg="red")
     raise typer.Exit(1)
+
+
+def _check_timeout(value: float | None) -> float | None:
+    """--timeout-s: seconds >= 0 (click's float takes 'nan' and 'inf', which are no limit one could mean)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise typer.BadParameter(
+            f"{value} is not a number of seconds >= 0; give e.g. --timeout-s 600, or 0 for no limit"
+        )
+    return value
 
 
 def _cell(v: Any, width: int = 60) -> str:
@@ -190,6 +200,24 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option("table", "--format", help="table | csv | json (JSON lines) | parquet."),
         out: Path | None = typer.Option(None, "--out", help="Write to this file instead of stdout."),
         lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
+        timeout_s: float | None = typer.Option(
+            None,
+            "--timeout-s",
+            callback=_check_timeout,
+            help="Stop the query after this many seconds; default 300, 0: none.",
+        ),
+        memory_mb: int | None = typer.Option(
+            None, "--memory-mb", min=1, help="Memory the query may use, in MB; default a quarter of physical memory."
+        ),
+        spill_mb: int | None = typer.Option(
+            None,
+            "--spill-mb",
+            min=0,
+            help="Data the query may spill under TMPDIR, in MB; default a quarter of the free space there, 0: none.",
+        ),
+        threads: int | None = typer.Option(
+            None, "--threads", min=1, help="Threads for the query; default half the CPUs."
+        ),
     ) -> None:
         """Ad hoc, read-only SQL over model_calls, rollouts, tree_nodes, tree_stats and rejects."""
         from clawpipe.errors import ClawpipeError
@@ -213,13 +241,19 @@ def register(app: typer.Typer) -> None:
             if k in params:
                 raise typer.BadParameter(f"--param {k} is given twice ({params[k]!r} and {v!r}); give it once")
             params[k] = v
+        limits: dict[str, Any] = {
+            "timeout_s": timeout_s,
+            "memory_mb": memory_mb,
+            "spill_mb": spill_mb,
+            "threads": threads,
+        }
         try:
             if saved is not None:
-                table = run_saved(_lake_root(lake), saved, params)
+                table = run_saved(_lake_root(lake), saved, params, **limits)
             else:
                 if params:
                     raise typer.BadParameter("--param goes with --saved")
-                table = run_sql(_lake_root(lake), query or "")
+                table = run_sql(_lake_root(lake), query or "", **limits)
         except ClawpipeError as exc:
             _fail(exc)
         _emit(table, fmt, out)

@@ -5,8 +5,14 @@ a SELECT (no EXPLAIN, whose ANALYZE form executes its statement; no COPY, ATTACH
 PRAGMA, SET, CALL or DDL). The connection: its views read a fixed list of the lake's Parquet files, those
 files are the only paths it may open (``allowed_paths`` with ``enable_external_access = false``: no
 other file, no directory listing, no writing anywhere, since DuckDB writes through a temporary name),
-nothing spilled to a temporary directory, extensions are neither loaded nor installed, and the
-configuration is locked.
+extensions are neither loaded nor installed, and the configuration is locked.
+
+Bounded, since the lake's machine also runs rollouts and training: each query has a wall-clock limit
+(``timeout_s``, default :data:`DEFAULT_TIMEOUT_S`; a watchdog thread interrupts it), a memory cap
+(``memory_mb``, default a quarter of physical memory), a thread count (``threads``, default half the CPUs)
+and a spill cap (``spill_mb``, default a quarter of the free space of the temporary folder; 0: no spilling).
+Spilled data goes to a private folder under the system's temporary folder (``TMPDIR``), never inside the
+lake, and is removed when the query ends. All are set before the configuration is locked.
 """
 
 from __future__ import annotations
@@ -14,20 +20,25 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
+import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import duckdb
 import pyarrow as pa
 
 from clawpipe import schemas, sqlfiles, tables
-from clawpipe.errors import LakeError
+from clawpipe.errors import ConfigError, LakeError
 
 _RETRIES = 3
+DEFAULT_TIMEOUT_S = 300.0
+_REINTERRUPT_S = 0.05
 _LOCKS = (
-    # no spilling: DuckDB would write query data into ./.tmp (external access off does not stop it); a query
-    # larger than memory fails instead. Set first: with external access off it can no longer be changed.
-    "set temp_directory = ''",
     "set enable_external_access = false",  # file access only to allowed_paths; no extension loading
     "set autoload_known_extensions = false",
     "set autoinstall_known_extensions = false",
@@ -36,21 +47,167 @@ _LOCKS = (
 )
 
 
+@dataclass(frozen=True)
+class QueryLimits:
+    """What one query may use: seconds (None: no limit), MB of memory, MB spilled to disk (0: none), threads."""
+
+    timeout_s: float | None
+    memory_mb: int
+    spill_mb: int
+    threads: int
+
+    @classmethod
+    def resolve(
+        cls,
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        spill_mb: int | None = None,
+        threads: int | None = None,
+    ) -> QueryLimits:
+        """The limits a call gives, each checked, with the defaults for those it leaves None."""
+        timeout = _number("timeout_s", "--timeout-s", DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        return cls(
+            timeout_s=timeout or None,  # 0 is the documented "no limit"
+            memory_mb=_whole("memory_mb", "--memory-mb", memory_mb, 1, default_memory_mb, "4000"),
+            spill_mb=_whole(
+                "spill_mb", "--spill-mb", spill_mb, 0, lambda: default_spill_mb(tempfile.gettempdir()), "10000"
+            ),
+            threads=_whole("threads", "--threads", threads, 1, default_threads, "2"),
+        )
+
+
+def default_memory_mb() -> int:
+    """A quarter of physical memory: the machine also runs rollouts and training."""
+    import psutil
+
+    return max(64, psutil.virtual_memory().total // 4 // 1_000_000)
+
+
+def default_threads() -> int:
+    """Half the CPUs this process may run on, at least one."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // 2)
+
+
+def default_spill_mb(folder: str) -> int:
+    """A quarter of the free space of the filesystem that holds ``folder``."""
+    return shutil.disk_usage(folder).free // 4 // 1_000_000
+
+
+def _number(name: str, option: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(
+            f"{name}={value!r} is not a number of seconds >= 0; give e.g. {name}=600 ({option} 600), or 0 for no limit"
+        )
+    return float(value)
+
+
+def _whole(name: str, option: str, value: Any, least: int, default: Callable[[], int], example: str) -> int:
+    if value is None:
+        return default()
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(
+            f"{name}={value!r} is not a whole number >= {least}; give e.g. {name}={example} ({option} {example})"
+        )
+    return value
+
+
 def connect_read_only(lake_root: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
     """A connection with the lake's views that can read nothing but the lake's Parquet files and write nothing."""
     return _connect_pinned(tables.LakeFS(lake_root))[0]
 
 
-def _connect_pinned(lake: tables.LakeFS) -> tuple[duckdb.DuckDBPyConnection, dict[str, list[str]]]:
+def _connect_pinned(
+    lake: tables.LakeFS, limits: QueryLimits | None = None, spill_dir: str | None = None
+) -> tuple[duckdb.DuckDBPyConnection, dict[str, list[str]]]:
     files = tables.table_files(lake)
     con = tables.connect(lake, files=files)
     allowed = {f for fs in files.values() for f in fs}
     if not lake.is_local:  # DuckDB names fsspec files scheme:///path as well as scheme://path
         allowed |= {f"{lake.scheme}:///{f.split('://', 1)[1].lstrip('/')}" for f in allowed}
     con.execute("set allowed_paths = ?", [sorted(allowed)])
+    # spill only into spill_dir: without one DuckDB would write query data into ./.tmp (external access off
+    # does not stop it). Set before the locks: with external access off it can no longer be changed.
+    con.execute("set temp_directory = ?", [spill_dir or ""])
+    if limits is not None:
+        con.execute("set memory_limit = ?", [f"{limits.memory_mb}MB"])
+        con.execute("set max_temp_directory_size = ?", [f"{limits.spill_mb if spill_dir else 0}MB"])
+        con.execute("set threads = ?", [limits.threads])
     for lock in _LOCKS:
         con.execute(lock)
     return con, files
+
+
+def _spill_folder(lake: tables.LakeFS, limits: QueryLimits) -> str | None:
+    """A fresh private folder for the query's spilled data under the system's temporary folder, or None when
+    spilling is off. Never inside the lake: a file there would be read as part of a table."""
+    if limits.spill_mb == 0:
+        return None
+    parent = Path(tempfile.gettempdir()).resolve()
+    if lake.is_local and parent.is_relative_to(Path(lake.root).resolve()):
+        raise LakeError(
+            f"the temporary folder {parent} (TMPDIR) lies inside the lake {lake.root}, where clawpipe sql writes "
+            "nothing; point TMPDIR elsewhere, or turn spilling off (--spill-mb 0, spill_mb=0)"
+        )
+    return tempfile.mkdtemp(prefix="clawpipe-sql-", dir=parent)
+
+
+class _Watchdog:
+    """Interrupts a connection's query once its deadline passes, and again every few milliseconds until the
+    call ends: DuckDB forgets an interrupt that arrives before its query starts. No thread without a deadline."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, deadline: float | None) -> None:
+        self.fired = False
+        self._con = con
+        self._deadline = deadline
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="clawpipe-sql-watchdog", daemon=True)
+
+    def __enter__(self) -> _Watchdog:
+        if self._deadline is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        assert self._deadline is not None
+        if self._done.wait(max(0.0, self._deadline - time.monotonic())):
+            return
+        self.fired = True
+        while True:
+            self._con.interrupt()
+            if self._done.wait(_REINTERRUPT_S):
+                return
+
+
+def _timed_out(limits: QueryLimits) -> LakeError:
+    assert limits.timeout_s is not None
+    return LakeError(
+        f"the query ran past its time limit of {limits.timeout_s:g} s and was stopped; raise the limit "
+        f"(clawpipe sql --timeout-s N, or timeout_s=N; 0 for none) or filter or aggregate more"
+    )
+
+
+def _out_of_memory(exc: duckdb.OutOfMemoryException, limits: QueryLimits, spilled: bool) -> LakeError:
+    first = str(exc).splitlines()[0].rstrip(".")
+    if "max_temp_directory_size" in str(exc) and spilled:
+        cap = (
+            f"the query spilled more than its spill cap of {limits.spill_mb} MB to disk; raise the cap "
+            "(clawpipe sql --spill-mb N, or spill_mb=N)"
+        )
+    else:
+        spill = f"its spill cap of {limits.spill_mb} MB" if spilled else "spilling off (spill_mb=0)"
+        cap = (
+            f"the query needs more than its memory cap of {limits.memory_mb} MB with {spill}; raise the cap "
+            "(clawpipe sql --memory-mb N, or memory_mb=N)"
+        )
+    return LakeError(
+        f"{first}: {cap}, or filter or aggregate more (e.g. by run_id and iteration), or select fewer columns"
+    )
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
@@ -78,35 +235,69 @@ def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
         raise LakeError(f"the lake is read-only here: {kind.name} statements are refused; use SELECT")
 
 
-def run_sql(lake_root: str | os.PathLike[str], query: str, params: dict[str, Any] | None = None) -> pa.Table:
-    """Run one read-only statement over the lake's views and return the rows as Arrow."""
+def run_sql(
+    lake_root: str | os.PathLike[str],
+    query: str,
+    params: dict[str, Any] | None = None,
+    *,
+    timeout_s: float | None = None,
+    memory_mb: int | None = None,
+    spill_mb: int | None = None,
+    threads: int | None = None,
+) -> pa.Table:
+    """Run one read-only statement over the lake's views and return the rows as Arrow.
+
+    ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`, 0 for none) bounds the whole call; ``memory_mb``,
+    ``spill_mb`` (0: no spilling) and ``threads`` cap what the query may use (None: the defaults the module
+    docstring names). A query past a limit fails with a :class:`LakeError` naming the limit and its option."""
+    limits = QueryLimits.resolve(timeout_s, memory_mb, spill_mb, threads)
+    deadline = None if limits.timeout_s is None else time.monotonic() + limits.timeout_s
     lake = tables.LakeFS(lake_root)
+    spill_dir = _spill_folder(lake, limits)
+    try:
+        return _run_with_retries(lake, query, params, limits, deadline, spill_dir)
+    finally:
+        if spill_dir is not None:
+            shutil.rmtree(spill_dir, ignore_errors=True)
+
+
+def _run_with_retries(
+    lake: tables.LakeFS,
+    query: str,
+    params: dict[str, Any] | None,
+    limits: QueryLimits,
+    deadline: float | None,
+    spill_dir: str | None,
+) -> pa.Table:
     for attempt in range(_RETRIES + 1):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _timed_out(limits)
         con = None
         files: dict[str, list[str]] | None = None
+        watchdog = None
         try:
             # the views read the files listed at connect, so a compaction that swaps a partition between the
             # listing and the read fails the query (a file gone, or one not on the list): a fresh try sees the
             # new files
-            con, files = _connect_pinned(lake)
+            con, files = _connect_pinned(lake, limits, spill_dir)
             check_read_only(con, query)
-            return con.sql(query, params=params or None).to_arrow_table()
-        except duckdb.IOException as exc:
-            if attempt == _RETRIES:
-                raise LakeError(str(exc).strip()) from exc
-            time.sleep(0.05 * (attempt + 1))
-        except duckdb.PermissionException as exc:
-            if attempt < _RETRIES and files is not None and files != tables.table_files(lake):
+            with _Watchdog(con, deadline) as watchdog:
+                return con.sql(query, params=params or None).to_arrow_table()
+        except duckdb.Error as exc:
+            if watchdog is not None and watchdog.fired:  # whatever the interrupt surfaced as, the time ran out
+                raise _timed_out(limits) from exc
+            if isinstance(exc, duckdb.IOException):
+                if attempt == _RETRIES:
+                    raise LakeError(str(exc).strip()) from exc
                 time.sleep(0.05 * (attempt + 1))
                 continue
-            raise LakeError(f"{str(exc).strip()}; clawpipe sql reads the lake's tables and nothing else") from exc
-        except duckdb.OutOfMemoryException as exc:
-            raise LakeError(
-                f"{str(exc).splitlines()[0]}: the query needs more memory than DuckDB may use, and clawpipe sql "
-                "writes nothing to disk; filter or aggregate more (e.g. by run_id and iteration), or select fewer "
-                "columns"
-            ) from exc
-        except duckdb.Error as exc:
+            if isinstance(exc, duckdb.PermissionException):
+                if attempt < _RETRIES and files is not None and files != tables.table_files(lake):
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                raise LakeError(f"{str(exc).strip()}; clawpipe sql reads the lake's tables and nothing else") from exc
+            if isinstance(exc, duckdb.OutOfMemoryException):
+                raise _out_of_memory(exc, limits, spilled=spill_dir is not None) from exc
             raise LakeError(str(exc).strip()) from exc
         finally:
             if con is not None:
@@ -197,8 +388,18 @@ def saved_names() -> list[str]:
     return sqlfiles.sql_names("analytics")
 
 
-def run_saved(lake_root: str | os.PathLike[str], name: str, params: dict[str, Any] | None = None) -> pa.Table:
-    """Run ``sql/analytics/<name>.sql``; parameters it uses but that are not given are NULL (no filter)."""
+def run_saved(
+    lake_root: str | os.PathLike[str],
+    name: str,
+    params: dict[str, Any] | None = None,
+    *,
+    timeout_s: float | None = None,
+    memory_mb: int | None = None,
+    spill_mb: int | None = None,
+    threads: int | None = None,
+) -> pa.Table:
+    """Run ``sql/analytics/<name>.sql``; parameters it uses but that are not given are NULL (no filter).
+    The limits are :func:`run_sql`'s."""
     if name not in saved_names():
         raise LakeError(f"no saved query {name!r}; saved queries: {', '.join(saved_names())}")
     sql = sqlfiles.sql_text(f"analytics/{name}")
@@ -210,7 +411,15 @@ def run_saved(lake_root: str | os.PathLike[str], name: str, params: dict[str, An
             f"saved query {name} takes {', '.join(wanted) or 'no parameters'}; unknown: {unknown} "
             "(`clawpipe lake saved` lists each query's parameters)"
         )
-    return run_sql(lake_root, sql, {k: typed_param(name, k, given.get(k)) for k in wanted})
+    return run_sql(
+        lake_root,
+        sql,
+        {k: typed_param(name, k, given.get(k)) for k in wanted},
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        spill_mb=spill_mb,
+        threads=threads,
+    )
 
 
 def run_audits(lake_root: str | os.PathLike[str]) -> dict[str, pa.Table]:

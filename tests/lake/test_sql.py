@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -356,9 +357,12 @@ def _lake_bytes(root: Path) -> dict[str, str]:
     }
 
 
-def test_ad_hoc_sql_is_read_only_by_construction(lake: Path, tmp_path: Path) -> None:
+def test_ad_hoc_sql_is_read_only_by_construction(lake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every write, attach, install, pragma, explain-analyze, copy, host-file read and path trick is refused
-    with a clear error, and the lake stays byte-identical."""
+    with a clear error, and the lake stays byte-identical, also after a query over its rows that spills."""
+    scratch = tmp_path / "scratch"  # the system's temporary folder (TMPDIR), where queries may spill
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret.csv").write_text("a\n1\n")
@@ -373,6 +377,12 @@ def test_ad_hoc_sql_is_read_only_by_construction(lake: Path, tmp_path: Path) -> 
             run_sql(lake, query)
         message = str(info.value)
         assert _REFUSED.search(message), (query, message)
+    # 6 rollouts x 300,000 hashes to sort: more than 48 MB of memory holds (with spill_mb=0 it fails)
+    spilling = (
+        "select count(*) from (select md5(r.rollout_id || i) as s from rollouts r, range(300000) t(i) order by s)"
+    )
+    assert run_sql(lake, spilling, memory_mb=48, spill_mb=1000, threads=1).column(0)[0].as_py() == 1_800_000
+    assert list(scratch.iterdir()) == []  # the spill folder is gone with the query
     assert _lake_bytes(lake) == before
     assert sorted(p.name for p in outside.iterdir()) == ["secret.csv", "secret.parquet"]  # nothing written there
     assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == 6
@@ -400,16 +410,20 @@ def test_a_pivot_without_values_is_refused_naming_the_fix(lake: Path) -> None:
 def test_a_query_larger_than_memory_fails_without_spilling_to_disk(
     lake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DuckDB spills to ./.tmp even with external access off: clawpipe sql spills nowhere and says what to do.
-    (The memory limit is lowered so that a sort of 2M short rows exceeds it.)"""
-    from clawpipe.lake import query
-
-    monkeypatch.setattr(query, "_LOCKS", ("set memory_limit = '48MB'", "set threads = 1", *query._LOCKS))
+    """DuckDB spills to ./.tmp even with external access off: with spilling off (spill_mb=0) clawpipe sql spills
+    nowhere and says what to do. (The memory cap is lowered so that a sort of 2M short rows exceeds it.)"""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    with pytest.raises(LakeError, match=r"more memory than DuckDB may use.*filter or aggregate more"):
-        run_sql(lake, "select count(*) from (select md5(i::varchar) as s from range(2000000) t(i) order by s)")
+    monkeypatch.setattr(tempfile, "tempdir", str(cwd))
+    with pytest.raises(LakeError, match=r"memory cap of 48 MB with spilling off.*filter or aggregate more"):
+        run_sql(
+            lake,
+            "select count(*) from (select md5(i::varchar) as s from range(2000000) t(i) order by s)",
+            memory_mb=48,
+            spill_mb=0,
+            threads=1,
+        )
     assert list(cwd.iterdir()) == []
     assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == 6
 
