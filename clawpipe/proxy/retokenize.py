@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,19 @@ class Retokenizer:
             bos_token=self.bos_token,
         )
 
+    def open_turn(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+        """The ids of ``messages`` with the final (assistant) one left open, as the engine renders a prefill:
+        the template's text up to where the final message's body goes, then that body encoded on its own."""
+        body = messages[-1].get("content")
+        body = body if isinstance(body, str) else text_of(body)
+        mark = f"\u27e6clawpipe-open-{secrets.token_hex(8)}\u27e7"
+        staged = [*messages[:-1], {**messages[-1], "content": mark}]
+        text = self.render(staged, tools, generation_prompt=False)
+        head, found, _ = text.partition(mark)
+        if not found:  # a template that does not render the body as given: the prefill closes its turn
+            return self.encode(self.render(messages, tools, generation_prompt=False))
+        return self.encode(head) + self.encode(body)
+
     def retokenize(self, api: str, request: bytes, response: bytes, stream: bool) -> Retokenized:
         """The prompt's and each choice's ids for one captured call, encoded here."""
         req = json.loads(request)
@@ -76,7 +90,11 @@ class Retokenizer:
             prompt_ids = self.encode(prompt if isinstance(prompt, str) else "".join(map(str, prompt)))
             return Retokenized(prompt_ids, [RetokenizedChoice(self.encode(t)) for t, _ in choices])
         messages, tools = request_messages(api, req)
-        prompt_ids = self.encode(self.render(messages, tools, generation_prompt=True))
+        ending = prompt_ending(api, req, messages)
+        if ending == "continue":
+            prompt_ids = self.open_turn(messages, tools)
+        else:
+            prompt_ids = self.encode(self.render(messages, tools, generation_prompt=ending == "generate"))
         out = []
         for text, tool_calls in choices:
             body = text
@@ -84,6 +102,21 @@ class Retokenizer:
                 body += "<tool_call>" + json.dumps(call, ensure_ascii=False) + "</tool_call>"
             out.append(RetokenizedChoice(self.encode(body + self.eos_token)))
         return Retokenized(prompt_ids, out)
+
+
+def prompt_ending(api: str, req: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+    """How the engine ends a request's prompt: "continue" (an open final assistant turn: an Anthropic prefill,
+    or chat's ``continue_final_message``), "generate" (a new assistant turn) or "none" (chat's
+    ``add_generation_prompt: false``)."""
+    last_is_assistant = bool(messages) and messages[-1].get("role") == "assistant"
+    if api == "messages":
+        return "continue" if last_is_assistant else "generate"
+    if api == "chat":
+        if req.get("continue_final_message") is True and last_is_assistant:
+            return "continue"
+        if req.get("add_generation_prompt") is False:
+            return "none"
+    return "generate"
 
 
 def _token_text(tok: Any) -> str | None:

@@ -89,3 +89,39 @@ def test_retokenizer_matches_the_served_policys_chat_template(tmp_path: Path):
         ours = retok.encode(retok.render(msgs, t, generation_prompt=True))
         theirs = tok.apply_chat_template(msgs, tools=t, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert ours == theirs
+
+
+@pytest.mark.parametrize("prefill", ['{"answer": ', "The weather in", ""])
+def test_an_open_final_turn_is_retokenized_as_the_engine_renders_it(tmp_path: Path, prefill: str):
+    """An Anthropic prefill (or chat's continue_final_message) ends the prompt in the open assistant turn,
+    its body encoded on its own, exactly as the engine's renderer gives it; no end-of-turn after it."""
+    from clawpipe.proxy.retokenize import prompt_ending
+    from clawpipe.serving.policy import init_policy, load_tokenizer
+    from clawpipe.serving.splice import render_open
+
+    d = init_policy(tmp_path / "policy", size="tiny")
+    retok, tok = Retokenizer(d), load_tokenizer(d)
+    msgs = [{"role": "user", "content": "weather in paris? reply in json"}, {"role": "assistant", "content": prefill}]
+    engine = render_open(tok, msgs, None, {}, set(), "continue")
+    assert engine is not None
+    ours = retok.open_turn(msgs, None)
+    assert ours == list(engine)
+    closed = retok.encode(retok.render(msgs, None, generation_prompt=False))
+    assert ours != closed  # the old rendering closed the prefill's turn
+    assert prompt_ending("messages", {}, msgs) == "continue"
+    assert prompt_ending("chat", {"continue_final_message": True, "add_generation_prompt": False}, msgs) == "continue"
+    assert prompt_ending("chat", {"add_generation_prompt": False}, msgs[:1]) == "none"
+    assert prompt_ending("chat", {}, msgs) == "generate"
+
+
+def test_a_prefilled_messages_call_from_an_upstream_without_ids_is_retokenized_open(make_proxy, model_dir: Path):
+    """Through the proxy: the retokenized prompt of a prefilled call is the open turn, the prefill's ids last."""
+    with ScriptedUpstream([say("sunny")], ids=False) as up:
+        h = make_proxy([up.url], tokenizer_dir=model_dir)
+        client = anthropic.Anthropic(base_url=h.anthropic_base("r1"), api_key="x", max_retries=0)
+        user = {"role": "user", "content": "the weather in paris"}
+        client.messages.create(model="m", max_tokens=8, messages=[user, {"role": "assistant", "content": "the"}])
+    (rec,) = h.records()
+    retok = Retokenizer(model_dir)
+    head = retok.encode("<|im_start|>user\nthe weather in paris<|im_end|>\n<|im_start|>assistant\n")
+    assert rec.header["retokenized"]["prompt_token_ids"] == head + retok.encode("the")
