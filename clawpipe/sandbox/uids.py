@@ -107,13 +107,18 @@ def processes_of(uid: int) -> list[int]:
 
 
 def _runs_as(pid: int, uid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            text = f.read(4096)
+    try:  # raw descriptors: this runs for every process on the host when a uid is released
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
+    try:
+        text = os.read(fd, 1024)  # State: and Uid: come within the first few hundred bytes
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
     state = uids = b""
-    for line in text.splitlines():
+    for line in text.split(b"\n"):
         if line.startswith(b"State:"):
             state = line
         elif line.startswith(b"Uid:"):
