@@ -5,7 +5,9 @@ The trees give the packed layout and, per call x choice, the node where its path
 with the trees); each trainable call (ok, upstream token ids) is placed there (clawpipe.train.data). Calls the
 trees left out (retokenized, failed) have no link and are counted, never trained silently. For the harnesses listed in
 ``exclude_side_calls_harnesses``, calls in a side lineage of their rollout tree (sql/train/side_calls.sql:
-titles, memory extraction, sub-agents) are dropped first and counted as ``side_calls_excluded``.
+titles, memory extraction, sub-agents) are dropped first and counted as ``side_calls_excluded``. A call
+with a captured logprob no sampled token can have (LOGPROB_FLOOR, LOGPROB_CEILING) is left out and counted
+as ``calls_logprobs_out_of_range``: one such token would make the whole step's gradient NaN.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from clawpipe.train.config import TrainConfig
 from clawpipe.train.data import RolloutInfo, TrainTree, attach_sequences, flatten_nodes
 
 log = logging.getLogger(__name__)
+
+# Captured logprobs a sampled token can have. Below the floor a token was never sampled from what the logprob
+# describes: a sentinel (an engine writes -inf as -9999.0 in JSON) or a broken upstream. The loss's ratio
+# exp(current - captured) overflows float32 beyond exp(88.7), so one such token made the whole step's gradient
+# NaN; its call is left out and counted instead. Above the ceiling it is no log-probability at all.
+LOGPROB_FLOOR = -80.0
+LOGPROB_CEILING = 1e-3  # rounding in an engine's log-softmax can leave a sure token slightly above 0
 
 
 def load_trees(
@@ -93,6 +102,7 @@ def load_trees(
     stats["calls_stale_dropped"] = 0
     stats["calls_without_rollout"] = 0
     orphans: set[str] = set()
+    odd_logprobs: list[str] = []
     for c in calls.to_pylist():
         if side and (c["call_id"], int(c["choice_index"] or 0)) in side:
             stats["side_calls_excluded"] += 1
@@ -106,6 +116,9 @@ def load_trees(
             stats["calls_stale_dropped"] += 1
         elif not _logprobs_ok(c):
             stats["calls_without_logprobs"] += 1
+        elif not _logprobs_in_range(c["completion_logprobs"]):
+            stats["calls_logprobs_out_of_range"] += 1
+            odd_logprobs.append(c["call_id"])
         elif c["tree_id"] is None:
             stats["calls_not_in_tree"] += 1
         else:
@@ -130,6 +143,11 @@ def load_trees(
             "(cut off before they finished; first: %s)",
             run_id, iteration, int(stats["calls_without_rollout"]), len(orphans), min(orphans),
         )  # fmt: skip
+    if odd_logprobs:
+        log.warning(
+            "run %s iteration %d: %d calls left out of training: a captured logprob outside [%g, %g] (first: %s)",
+            run_id, iteration, len(odd_logprobs), LOGPROB_FLOOR, LOGPROB_CEILING, odd_logprobs[0],
+        )  # fmt: skip
     return trees, infos, dict(stats)
 
 
@@ -140,6 +158,10 @@ def _runs(values: list[str]) -> list[tuple[int, int]]:
             out.append((start, i))
             start = i
     return out
+
+
+def _logprobs_in_range(lps: list[float]) -> bool:
+    return min(lps, default=0.0) >= LOGPROB_FLOOR and max(lps, default=0.0) <= LOGPROB_CEILING
 
 
 def _logprobs_ok(call: dict) -> bool:

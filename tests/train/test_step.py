@@ -195,6 +195,23 @@ def test_a_rollout_without_a_reward_leaves_its_group_out_of_the_step(home, tmp_p
     assert logged[0][0]["train/groups_skipped_no_reward"] == 1 and logged[0][0]["train/rollouts_no_reward"] == 1
 
 
+@pytest.mark.parametrize("logprob", [-9999.0, -1e30, 5.0])
+def test_a_call_with_an_impossible_captured_logprob_is_left_out_of_the_step(home, tmp_path, policy_dir, logprob):
+    """An engine writes a -inf logprob as -9999.0: exp(current - captured) overflowed, and the one token made
+    the whole step's gradient NaN. The call is left out and counted; the rest of its rollout trains."""
+    lake = tmp_path / "lake"
+    write_lake(lake, policy_dir, trees=False)
+    rows = tables.connect(lake).sql("select * from model_calls order by call_id").to_arrow_table().to_pylist()
+    victim = next(r for r in rows if r["call_id"] != "cut")
+    victim["completion_logprobs"] = [logprob, *victim["completion_logprobs"][1:]]
+    tables.replace_partition(lake, "model_calls", RUN, 0, pa.Table.from_pylist(rows, schema=MODEL_CALLS))
+    build_iteration(lake, RUN, 0)
+    result = train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=make_config())
+    m = result.metrics
+    assert m["load/calls_logprobs_out_of_range"] == 1 and np.isfinite(m["loss/total"]) and np.isfinite(m["grad_norm"])
+    assert m["load/calls"] == len(call_rows_in_trees(lake)) - 1
+
+
 @pytest.mark.slow
 def test_harness_names_mlflow_refuses_still_log_their_metrics(home, tmp_path, policy_dir):
     """Harness names in the lake are free text: per-harness metric names must be ones MLflow takes."""
