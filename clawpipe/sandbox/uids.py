@@ -230,14 +230,16 @@ class UidPool:
             return UidLease(SHARED_USER, None)
         deadline = time.monotonic() + wait_s
         while True:
+            unusable: list[str] = []
             for uid in range(self.base, self.base + self.count):
-                lease = self._try(uid)
+                lease = self._try(uid, unusable)
                 if lease is not None:
                     return lease
             if time.monotonic() >= deadline:
+                why = f"; {len(unusable)} could not be locked, e.g. {unusable[0]}" if unusable else ""
                 raise SandboxError(
                     f"all {self.count} sandbox uids from {self.base} are in use on this host (lock folder "
-                    f"{self.lock_dir}); raise CLAWPIPE_SANDBOX_UID_COUNT or run fewer sandboxes at once"
+                    f"{self.lock_dir}{why}); raise CLAWPIPE_SANDBOX_UID_COUNT or run fewer sandboxes at once"
                 )
             time.sleep(0.05)
 
@@ -249,9 +251,14 @@ class UidPool:
         finally:
             lease.release()
 
-    def _try(self, uid: int) -> UidLease | None:
+    def _try(self, uid: int, unusable: list[str]) -> UidLease | None:
+        """A lease of ``uid`` if it is free; None when taken, or unusable (its reason added to ``unusable``)."""
         path = self.lock_dir / f"{uid}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:  # a link planted in place of a lock file is refused, and that uid skipped
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            unusable.append(f"{path}: {exc.strerror}")
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -266,6 +273,7 @@ class UidPool:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except (SandboxError, OSError) as exc:
             logger.warning("sandbox uid %d skipped: %s", uid, exc)
+            unusable.append(f"uid {uid}: {exc}")
             os.close(fd)
             return None
         return UidLease(SandboxUser(uid, uid), fd)

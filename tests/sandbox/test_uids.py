@@ -324,3 +324,15 @@ def test_the_rlimit_fallback_caps_processes_at_pids_exactly_for_a_uid_of_the_san
             proc.wait()
     assert caps[False] == (7, 7)  # its own uid: only its processes count
     assert caps[True] == (7 * NPROC_SHARE, 7 * NPROC_SHARE)  # uid 65534: every such sandbox counts
+
+
+def test_a_link_in_place_of_a_lock_file_skips_that_uid_alone(tmp_path: Path) -> None:
+    pool = UidPool(BASE, 2, tmp_path / "locks")
+    pool.lease().release()  # makes the folder
+    (tmp_path / "locks" / f"{BASE}.lock").unlink()
+    (tmp_path / "locks" / f"{BASE}.lock").symlink_to(tmp_path / "elsewhere")
+    lease = pool.lease(wait_s=0)
+    assert lease.user.uid == BASE + 1 and not (tmp_path / "elsewhere").exists()
+    with pytest.raises(SandboxError, match=rf"1 could not be locked, e\.g\. .*{BASE}\.lock: Too many levels"):
+        pool.lease(wait_s=0)
+    lease.release()
