@@ -28,7 +28,7 @@ from clawpipe.capture import append_result
 from clawpipe.errors import ConfigError, ManifestError, SandboxError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends import get_backend
-from clawpipe.sandbox.backends.base import Backend, Outcome, SandboxJob
+from clawpipe.sandbox.backends.base import Backend, Outcome, SandboxJob, takes_own_uids
 from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
 from clawpipe.sandbox.limits import sandbox_connection_cap
 from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
@@ -333,12 +333,14 @@ def iter_rollouts(
     scratch = Path(scratch_dir) if scratch_dir is not None else settings.runs_dir / "rollouts"
     check_proxy(proxy_url)
     owned_backend = isinstance(backend, str)
-    backend_name = backend if isinstance(backend, str) else backend.name
-    uids = None if backend_name == "process" else uid_pool or default_pool()
+    wants_uids = backend != "process" if isinstance(backend, str) else takes_own_uids(backend)
+    uids = (uid_pool or default_pool()) if wants_uids else None
     if uids is not None:
         uids.check(concurrency)
     sweep_stale_mounts()  # rollout folders a killed runner left mounted
     be = get_backend(backend) if isinstance(backend, str) else backend
+    if not takes_own_uids(be):
+        uids = None  # its sandboxes run as the runner's user or as 65534
     try:
         cap = sandbox_connection_cap(concurrency, bridge_max_connections)
         with Bridge(proxy_url, max_connections=cap, idle_timeout_s=bridge_idle_timeout_s) as bridge:

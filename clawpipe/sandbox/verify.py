@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from clawpipe.errors import ConfigError, ManifestError, SandboxError
-from clawpipe.sandbox.backends.base import Backend, SandboxJob
+from clawpipe.sandbox.backends.base import Backend, SandboxJob, takes_own_uids
 from clawpipe.sandbox.bridge import Bridge, Route
 from clawpipe.sandbox.limits import Limits
 from clawpipe.sandbox.manifest import HarnessManifest
@@ -123,8 +123,8 @@ def _owner(backend: Backend, user: SandboxUser) -> tuple[int, int] | None:
 
 
 def _lease(backend: Backend, uids: UidPool | None) -> UidLease:
-    """The check sandbox's own uid (none for the process backend, which runs as the runner's user)."""
-    if backend.name == "process":
+    """The check sandbox's own uid (none for a backend that takes none, see takes_own_uids)."""
+    if not takes_own_uids(backend):
         return UidLease(SHARED_USER, None)
     return (uids or default_pool()).lease()
 

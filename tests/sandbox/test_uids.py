@@ -26,6 +26,8 @@ import pytest
 from clawpipe.config import get_settings
 from clawpipe.errors import ConfigError, SandboxError
 from clawpipe.sandbox import Limits, RolloutSpec, run_rollouts
+from clawpipe.sandbox.backends import get_backend
+from clawpipe.sandbox.backends.docker import maps_host_uids
 from clawpipe.sandbox.limits import NPROC_SHARE, apply_rlimits
 from clawpipe.sandbox.uids import SHARED_USER, UidPool, processes_of, validate_range
 from tests.sandbox.support import EchoTaskSet, make_harness
@@ -336,3 +338,37 @@ def test_a_link_in_place_of_a_lock_file_skips_that_uid_alone(tmp_path: Path) -> 
     with pytest.raises(SandboxError, match=rf"1 could not be locked, e\.g\. .*{BASE}\.lock: Too many levels"):
         pool.lease(wait_s=0)
     lease.release()
+
+
+def test_rootless_or_remapping_docker_engines_are_told_apart_from_ones_that_take_host_uids() -> None:
+    assert maps_host_uids(["name=apparmor", "name=seccomp,profile=builtin"])
+    assert not maps_host_uids(["name=seccomp,profile=builtin", "name=rootless"])
+    assert not maps_host_uids(["name=userns"])
+
+
+@pytest.mark.sandbox
+def test_a_backend_that_cannot_take_the_range_runs_its_sandboxes_as_65534(tmp_path: Path) -> None:
+    harness = make_harness(
+        tmp_path,
+        "who",
+        "import os\nopen(os.environ['CLAWPIPE_OUTPUT'] + '/answer.txt', 'w').write(str(os.getuid()))\n",
+    )
+    backend = get_backend("bwrap")
+    backend.own_uids = False  # type: ignore[attr-defined]  # as a rootless Docker engine says of itself
+    meet = Rendezvous()
+    try:
+        res = run_rollouts(
+            [RolloutSpec(run_id="u", iteration=0, harness=str(harness), task=EchoTaskSet().generate(1)[0], model="m")],
+            proxy_url=meet.url,
+            backend=backend,
+            results_path=tmp_path / "results.jsonl",
+            secret=b"s",
+            scratch_dir=tmp_path / "scratch",
+            task_sets={"echo": EchoTaskSet()},
+            keep_workdirs=True,
+        )
+    finally:
+        meet.close()
+        backend.close()
+    assert res[0].status == "succeeded", res[0].stderr_tail
+    assert (Path(res[0].workdir or "") / "out" / "answer.txt").read_text() == "65534"  # and its work dir was its own

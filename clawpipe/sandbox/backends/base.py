@@ -117,6 +117,12 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def takes_own_uids(backend: Backend) -> bool:
+    """Whether ``backend`` runs each sandbox as the job's own uid: not the process backend (the runner's own
+    user), nor one that says it cannot (``own_uids = False``: a rootless Docker engine), which use 65534."""
+    return backend.name != "process" and bool(getattr(backend, "own_uids", True))
+
+
 def identity_files(user: SandboxUser) -> tuple[str, str]:
     """/etc/passwd and /etc/group of a sandbox whose processes run as ``user``: it is "sandbox" (home
     /nonexistent), beside root and, when it is another uid, the usual nobody/nogroup."""

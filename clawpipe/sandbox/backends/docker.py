@@ -10,7 +10,8 @@ Network: a small *holder* container (``sleep infinity``, network none) owns the 
 host opens the bridge listener inside it (State.Pid) and the harness container joins it with
 ``network_mode=container:<holder>`` (the pod pattern), so the listener exists before the harness runs.
 Limits: mem_limit (= memswap), nano_cpus, pids_limit; cap_drop ALL, no-new-privileges, and the job's own
-host uid/gid (clawpipe.sandbox.uids), so no kernel per-uid budget is shared with a neighbour.
+host uid/gid (clawpipe.sandbox.uids), so no kernel per-uid budget is shared with a neighbour; a rootless or
+userns-remapping engine maps no such uid, so there every container runs as 65534 (with a warning).
 The harness's environment (its key among it) is not given to Docker, whose ``docker inspect`` shows a
 container's Env to anyone who can reach the engine: it is written to a file in the rollout folder (mode
 0400, owned by the sandbox user), bound read-only at ``/run/clawpipe.env``, and sourced by ``/bin/sh``
@@ -105,6 +106,12 @@ def _rootfs_tar() -> bytes:
     return buf.getvalue()
 
 
+def maps_host_uids(security_options: list[str]) -> bool:
+    """Whether an engine runs containers as the host uids they name: not rootless and without userns-remap
+    (``docker info``'s SecurityOptions), where only uids inside a 65536-wide subordinate range exist."""
+    return not any("name=rootless" in o or "name=userns" in o for o in security_options)
+
+
 def ensure_image(client: docker.DockerClient, name: str | None = None) -> str:
     """Import the sandbox image into this engine unless it is there already; returns its name.
 
@@ -151,9 +158,23 @@ class DockerBackend:
             self.image = ensure_image(self.client, image)
         except docker.errors.DockerException as exc:
             raise SandboxError(f"could not import the sandbox image: {exc}") from exc
+        try:
+            self.own_uids = maps_host_uids(list(self.client.info().get("SecurityOptions") or []))
+        except docker.errors.DockerException as exc:
+            raise SandboxError(f"docker info failed: {exc}") from exc
+        if not self.own_uids:
+            logger.warning(
+                "this Docker engine is rootless or remaps user namespaces: its containers cannot take the "
+                "clawpipe uid range, so every sandbox runs as uid %d and they share the kernel's per-uid budgets",
+                SHARED_USER.uid,
+            )
         self._ids = Path(tempfile.mkdtemp(prefix="clawpipe-docker-ids-"))
         self._ids.chmod(0o755)
         self._ids_lock = threading.Lock()
+
+    def user(self, job: SandboxJob) -> SandboxUser:
+        """Who the job's containers run as: its own uid, or 65534 on an engine that cannot (see __init__)."""
+        return job.user if self.own_uids else SHARED_USER
 
     def _identity_dir(self, user: SandboxUser) -> Path:
         """A host folder holding passwd and group for ``user`` (written on the uid's first use)."""
@@ -185,7 +206,7 @@ class DockerBackend:
         vols[str(job.task_path)] = {"bind": INNER_TASK, "mode": "ro"}
         vols[str(job.workdir)] = {"bind": INNER_WORKDIR, "mode": "rw"}
         vols[str(self._env_path(job))] = {"bind": INNER_ENV, "mode": "ro"}
-        ids = self._identity_dir(job.user)
+        ids = self._identity_dir(self.user(job))
         for name in ("passwd", "group"):
             vols[str(ids / name)] = {"bind": f"/etc/{name}", "mode": "ro"}
         return vols
@@ -202,13 +223,13 @@ class DockerBackend:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         if os.geteuid() == 0:
-            os.chown(path, job.user.uid, job.user.gid)
+            os.chown(path, self.user(job).uid, self.user(job).gid)
         else:  # docker-group user: the container's uid must still read it
             os.chmod(path, 0o444)
 
     def _common(self, job: SandboxJob) -> dict[str, Any]:
         return {
-            "user": f"{job.user.uid}:{job.user.gid}",
+            "user": f"{self.user(job).uid}:{self.user(job).gid}",
             "read_only": True,
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
