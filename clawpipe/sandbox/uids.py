@@ -14,8 +14,9 @@ before it is handed out again every process still running under it (e.g. a conta
 killed; on a clean release the same sweep runs first, so a uid is never reused while a process of its
 previous sandbox lives.
 
-Where no lock folder can be used, sandboxes fall back to the shared uid 65534 (``nobody``), with a
-warning: the per-uid budgets are then shared again.
+Where no lock folder can be used (or the backend cannot take such uids: a rootless Docker engine),
+sandboxes fall back to the shared uid 65534 (``nobody``), with a warning: the per-uid budgets are then
+shared again. A job built without a lease (``SandboxJob.user``'s default) runs as 65534 too.
 """
 
 from __future__ import annotations

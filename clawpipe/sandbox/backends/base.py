@@ -23,8 +23,6 @@ from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_file_siz
 from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest
 from clawpipe.sandbox.uids import SHARED_GID, SHARED_UID, SHARED_USER, SandboxUser
 
-SANDBOX_UID = SHARED_UID  # a job's default user (nobody); the runner gives each job its own (clawpipe.sandbox.uids)
-SANDBOX_GID = SHARED_GID
 SANDBOX_USER_NAME = "sandbox"
 INNER_WORKDIR = "/workdir"
 INNER_TASK = "/task.json"
