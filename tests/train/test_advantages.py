@@ -132,11 +132,12 @@ def test_zero_variance_groups_are_skipped_and_counted():
     assert ppo.stats["groups_skipped_zero_variance"] == 0  # PPO still learns values from them
 
 
-def test_nan_and_missing_rewards_name_the_rollout():
+def test_a_nan_reward_leaves_its_group_out_and_a_missing_row_names_the_rollout():
     trees, infos = random_group_trees(2)
     infos["g0r2"].reward = float("nan")
-    with pytest.raises(TrainingError, match="g0r2"):
-        build_batch(trees, infos, make_config(), policy_version=None)
+    batch = build_batch(trees, infos, make_config(), policy_version=None)
+    assert batch.stats["groups_skipped_no_reward"] == 1
+    assert all(not i.rollout_id.startswith("g0") for i in batch.rollouts)
     infos["g0r2"].reward = 1.0
     del infos["g1r3"]
     with pytest.raises(TrainingError, match="g1r3"):
