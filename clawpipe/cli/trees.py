@@ -57,7 +57,9 @@ def list_trees(
 
 @trees_app.command("show")
 def show(
-    tree_id: str = typer.Argument(..., help="Tree id: rollout:<rollout_id> or group:<group_id>."),
+    tree_id: str = typer.Argument(
+        ..., help="Tree id: rollout:<rollout_id>, group:<group_id>, or group-of:<rollout_id> (a groupless rollout)."
+    ),
     fmt: str = typer.Option("text", "--format", help="text or html."),
     out: Path | None = typer.Option(None, "--out", help="Write to this file instead of stdout."),
     lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <home>/lake."),
