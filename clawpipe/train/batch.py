@@ -109,13 +109,51 @@ def _left_out_for_rewards(
     return "; ".join(parts)
 
 
+def within_vocabulary(trees: list[TrainTree], vocab_size: int) -> tuple[list[TrainTree], list[str]]:
+    """The trees without the sequences whose path holds a token id outside ``[0, vocab_size)``, each pruned to
+    the sequences kept, and the call ids left out.
+
+    The lake keeps any int32 id an engine reported (a model served with a larger vocabulary than the one
+    trained, a corrupt or forged answer); one such id would stop the whole step (an embedding index error, a
+    device-side assert on a GPU), so its call is left out alone."""
+    out: list[TrainTree] = []
+    left_out: list[str] = []
+    for tree in trees:
+        ids = tree.token_ids
+        bad = (ids < 0) | (ids >= vocab_size)
+        if not bad.any():
+            out.append(tree)
+            continue
+        keep = [s for s in tree.sequences if not bad[s.positions].any()]
+        left_out += [s.call_id for s in tree.sequences if bad[s.positions].any()]
+        if keep:
+            out.append(tree.pruned(keep))
+    return out, left_out
+
+
 def build_batch(
-    trees: list[TrainTree], rollouts: dict[str, RolloutInfo], config: TrainConfig, *, policy_version: int | None
+    trees: list[TrainTree],
+    rollouts: dict[str, RolloutInfo],
+    config: TrainConfig,
+    *,
+    policy_version: int | None,
+    vocab_size: int | None = None,
 ) -> TrainBatch:
-    """Drop unusable trees, groups without usable rewards and zero-variance groups, then lay out contributions,
-    advantages and coefficients. Raises when every group was left out for its rewards."""
+    """Drop unusable trees, calls with token ids outside the policy's vocabulary (``vocab_size``, when given),
+    groups without usable rewards and zero-variance groups, then lay out contributions, advantages and
+    coefficients. Raises when every group was left out for its rewards."""
     check_rewards(trees, rollouts)
     stats: dict[str, float] = {"trees_in": len(trees)}
+    if vocab_size is not None:
+        trees, odd = within_vocabulary(trees, vocab_size)
+        stats["calls_token_ids_out_of_vocab"] = len(odd)
+        if odd:
+            log.warning(
+                "%d call(s) left out of the step: a token id outside the policy's vocabulary of %d (first: %s)",
+                len(odd),
+                vocab_size,
+                odd[0],
+            )
     used = {s.rollout_id for t in trees for s in t.sequences}
     keys = {r: adv_mod.group_key(rollouts[r], config.group_by) for r in used}
     # A rollout without a finite reward (null: its verifier returned none; NaN, inf) leaves its group without a

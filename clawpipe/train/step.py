@@ -85,7 +85,8 @@ def train_step(
         )
     else:
         trees, infos, load_stats = load_trees(lake_root, run_id, iteration, config)
-    batch = build_batch(trees, infos, config, policy_version=loaded.policy_version)
+    vocab = int(model.get_input_embeddings().num_embeddings)  # the rows an id may index
+    batch = build_batch(trees, infos, config, policy_version=loaded.policy_version, vocab_size=vocab)
     metrics = {f"load/{k}": float(v) for k, v in load_stats.items()}
     metrics.update(trainer.step(batch))
     new_version = loaded.policy_version + 1

@@ -212,6 +212,25 @@ def test_a_call_with_an_impossible_captured_logprob_is_left_out_of_the_step(home
     assert m["load/calls"] == len(call_rows_in_trees(lake)) - 1
 
 
+@pytest.mark.parametrize("where", ["completion", "prompt"])
+def test_a_call_with_a_token_id_outside_the_vocabulary_is_left_out_of_the_step(home, tmp_path, policy_dir, where):
+    """The lake keeps any int32 id an engine reported; one outside the policy's embedding stopped the whole
+    step with an index error. Its call is left out and counted; every other call trains."""
+    lake = tmp_path / "lake"
+    write_lake(lake, policy_dir, trees=False)
+    rows = tables.connect(lake).sql("select * from model_calls order by call_id").to_arrow_table().to_pylist()
+    victim = next(r for r in rows if r["call_id"] != "cut")
+    vocab = int(load_policy(policy_dir).model.get_input_embeddings().num_embeddings)
+    key = f"{where}_token_ids"
+    victim[key] = [*victim[key][:-1], vocab + 7]
+    tables.replace_partition(lake, "model_calls", RUN, 0, pa.Table.from_pylist(rows, schema=MODEL_CALLS))
+    build_iteration(lake, RUN, 0)
+    result = train_step(RUN, 0, lake_root=lake, policy_dir=policy_dir, out_dir=tmp_path / "o", config=make_config())
+    m = result.metrics
+    assert m["calls_token_ids_out_of_vocab"] >= 1 and np.isfinite(m["loss/total"]) and np.isfinite(m["grad_norm"])
+    assert m["tokens/trained"] > 0 and result.policy_version == 1
+
+
 @pytest.mark.slow
 def test_harness_names_mlflow_refuses_still_log_their_metrics(home, tmp_path, policy_dir):
     """Harness names in the lake are free text: per-harness metric names must be ones MLflow takes."""
