@@ -98,6 +98,35 @@ def validate_range(base: int, count: int, concurrency: int = 1) -> None:
         )
 
 
+def _mapped(path: str) -> list[tuple[int, int]] | None:
+    """The id ranges ``[first, end)`` this process's user namespace maps (None when the file is unreadable)."""
+    try:
+        with open(path) as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    return [(int(r[0]), int(r[0]) + int(r[2])) for r in rows if len(r) == 3 and all(x.isdigit() for x in r)]
+
+
+def unmapped_ids(base: int, count: int) -> str | None:
+    """The first uid or gid of ``[base, base + count)`` that this user namespace cannot switch to, or None.
+
+    In a container whose id map is narrow (often 0-65535), setuid to an unmapped id fails with EINVAL: every
+    sandbox would fail to start."""
+    for kind, path in (("uid", "/proc/self/uid_map"), ("gid", "/proc/self/gid_map")):
+        ranges = _mapped(path)
+        if ranges is None:
+            continue
+        covered, at = True, base
+        while at < base + count and covered:
+            hit = next((end for first, end in ranges if first <= at < end), None)
+            covered = hit is not None
+            at = hit if hit is not None else at
+        if not covered:
+            return f"{kind} {at}"
+    return None
+
+
 def processes_of(uid: int) -> list[int]:
     """Pids of live (not zombie) processes whose real, effective, saved or filesystem uid is ``uid``."""
     found = []
@@ -203,6 +232,14 @@ class UidPool:
             if self._ready:
                 return True
             try:
+                unmapped = unmapped_ids(self.base, self.count)
+                if unmapped:
+                    raise OSError(
+                        errno.EINVAL,
+                        f"{unmapped} in [{self.base}, {self.base + self.count - 1}] has no mapping in this user "
+                        "namespace (/proc/self/uid_map, gid_map; a container with a narrow id map): move the range "
+                        "inside the mapped ids with CLAWPIPE_SANDBOX_UID_BASE",
+                    )
                 self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
                 st = os.lstat(self.lock_dir)
                 if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:

@@ -29,7 +29,7 @@ from clawpipe.sandbox import Limits, RolloutSpec, run_rollouts
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.docker import maps_host_uids
 from clawpipe.sandbox.limits import NPROC_SHARE, apply_rlimits
-from clawpipe.sandbox.uids import SHARED_USER, UidPool, processes_of, validate_range
+from clawpipe.sandbox.uids import SHARED_USER, UidPool, processes_of, unmapped_ids, validate_range
 from tests.sandbox.support import EchoTaskSet, make_harness
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
@@ -372,3 +372,28 @@ def test_a_backend_that_cannot_take_the_range_runs_its_sandboxes_as_65534(tmp_pa
         backend.close()
     assert res[0].status == "succeeded", res[0].stderr_tail
     assert (Path(res[0].workdir or "") / "out" / "answer.txt").read_text() == "65534"  # and its work dir was its own
+
+
+def test_a_range_outside_a_narrow_user_namespace_map_falls_back_to_the_shared_uid_and_says_why(tmp_path: Path) -> None:
+    """In a container whose id map is narrow, setuid to an unmapped id fails: every sandbox would fail to
+    start. The pool sees it in /proc/self/uid_map and falls back to uid 65534 with a warning naming the fix."""
+    assert unmapped_ids(BASE, 4) is None  # this host maps every id
+    code = (
+        "import logging, sys\n"
+        "from pathlib import Path\n"
+        "from clawpipe.sandbox.uids import UidPool, unmapped_ids\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        f"print('unmapped:', unmapped_ids({BASE}, 4))\n"
+        f"print('user:', UidPool({BASE}, 4, Path({str(tmp_path / 'locks')!r})).lease().user.uid)\n"
+    )
+    # a user namespace that maps only uid/gid 0, as a narrow container map would
+    out = subprocess.run(
+        ["unshare", "--user", "--map-root-user", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"unmapped: uid {BASE}" in out.stdout
+    assert "user: 65534" in out.stdout and "CLAWPIPE_SANDBOX_UID_BASE" in out.stdout
