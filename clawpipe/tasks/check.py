@@ -13,8 +13,9 @@ and provides, instead of doing the work in ``verify``:
   so no secret nonce is needed.
 
 The rollout runner (``clawpipe.sandbox.verify``) runs the program in a fresh sandbox of the run's
-backend: uid 65534, no network at all, time/memory/pids limits, a copy of the declared inputs at
-``$CLAWPIPE_WORKDIR`` (read-only apart from the two files below), no secrets in its environment.
+backend: a host uid of its own (clawpipe.sandbox.uids), no network at all, time/memory/pids limits, a
+copy of the declared inputs at ``$CLAWPIPE_WORKDIR`` (read-only apart from the two files below), no secrets
+in its environment.
 
 What the program sees and must do (the check protocol):
 

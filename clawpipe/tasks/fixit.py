@@ -11,8 +11,8 @@ call (read a file, edit ``solution.py``, run the check); the verifier reads no t
 ``reply`` mean nothing here, only the final ``solution.py`` in the work dir counts.
 
 Verification runs the model's code, so it never happens on the host (``needs_sandbox = True``): the
-rollout runner copies ``solution.py`` alone into a fresh sandbox of the run's backend (no network, uid
-65534, limits) next to a check rendered from the task (editing check.py gains nothing). That check calls
+rollout runner copies ``solution.py`` alone into a fresh sandbox of the run's backend (no network, a host
+uid of its own, limits) next to a check rendered from the task (editing check.py gains nothing). That check calls
 the function on each case's arguments and writes the results as a JSON document of plain values; the host
 parses it (size and depth limits, no NaN) and compares each value with the expected one it holds itself
 (:func:`~clawpipe.tasks.values.same_value`). The expected values never enter the sandbox, and an object
