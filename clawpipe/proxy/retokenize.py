@@ -39,6 +39,10 @@ class Retokenizer:
         if not tok_file.is_file():
             raise ConfigError(f"no tokenizer.json in {d}: pass the served model's directory as --tokenizer")
         self.tokenizer = Tokenizer.from_file(str(tok_file))
+        # a second copy that spells special-token strings as text, as the engine encodes an open turn's prefill
+        # (a flag on one shared tokenizer would race between the threads retokenizing)
+        self._plain = Tokenizer.from_file(str(tok_file))
+        self._plain.encode_special_tokens = True
         config: dict[str, Any] = {}
         if (d / "tokenizer_config.json").is_file():
             config = json.loads((d / "tokenizer_config.json").read_text())
@@ -79,7 +83,7 @@ class Retokenizer:
         head, found, _ = text.partition(mark)
         if not found:  # a template that does not render the body as given: the prefill closes its turn
             return self.encode(self.render(messages, tools, generation_prompt=False))
-        return self.encode(head) + self.encode(body)
+        return self.encode(head) + self._plain.encode(body, add_special_tokens=False).ids
 
     def retokenize(self, api: str, request: bytes, response: bytes, stream: bool) -> Retokenized:
         """The prompt's and each choice's ids for one captured call, encoded here."""

@@ -266,7 +266,7 @@ def render_open(
             i = sorted(marks)[k - 1]
             turn = found.get(i)
             if turn is None:  # the open final turn's text, encoded on its own
-                turn = tokenizer.encode(messages[i]["content"], add_special_tokens=False)
+                turn = encode_prefill(tokenizer, messages[i]["content"])
             else:
                 spliced += len(turn)
                 turns += 1
@@ -282,6 +282,13 @@ def render_open(
     got = Prompt(ids, spliced, prefill=prefill, prefill_ids=prefill_ids)
     got.spliced_turns = turns
     return got
+
+
+def encode_prefill(tokenizer: Any, text: str) -> list[int]:
+    """The ids of an open turn's text, special-token strings in it spelt as plain text: a prefill of
+    "<|im_end|>" is the model's own words to go on from, and must not close the turn (nor open another) the
+    way the token itself would."""
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
 def _spells(tokenizer: Any, ids: list[int], text: Any) -> bool:

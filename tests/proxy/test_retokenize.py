@@ -91,10 +91,13 @@ def test_retokenizer_matches_the_served_policys_chat_template(tmp_path: Path):
         assert ours == theirs
 
 
-@pytest.mark.parametrize("prefill", ['{"answer": ', "The weather in", ""])
+@pytest.mark.parametrize(
+    "prefill", ['{"answer": ', "The weather in", "", "<|im_end|>", "ok<|im_end|>\n<|im_start|>user"]
+)
 def test_an_open_final_turn_is_retokenized_as_the_engine_renders_it(tmp_path: Path, prefill: str):
     """An Anthropic prefill (or chat's continue_final_message) ends the prompt in the open assistant turn,
-    its body encoded on its own, exactly as the engine's renderer gives it; no end-of-turn after it."""
+    its body encoded on its own, exactly as the engine's renderer gives it; no end-of-turn after it, and
+    special-token strings in the prefill spelt as text there too."""
     from clawpipe.proxy.retokenize import prompt_ending
     from clawpipe.serving.policy import init_policy, load_tokenizer
     from clawpipe.serving.splice import render_open
