@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,14 @@ from clawpipe.sandbox import Limits, RolloutSpec, run_rollouts
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.docker import maps_host_uids
 from clawpipe.sandbox.limits import NPROC_SHARE, apply_rlimits
-from clawpipe.sandbox.uids import SHARED_USER, UidPool, processes_of, unmapped_ids, validate_range
+from clawpipe.sandbox.uids import (
+    SHARED_USER,
+    UidPool,
+    kill_processes_of,
+    processes_of,
+    unmapped_ids,
+    validate_range,
+)
 from tests.sandbox.support import EchoTaskSet, make_harness
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
@@ -397,3 +406,89 @@ def test_a_range_outside_a_narrow_user_namespace_map_falls_back_to_the_shared_ui
     assert out.returncode == 0, out.stderr
     assert f"unmapped: uid {BASE}" in out.stdout
     assert "user: 65534" in out.stdout and "CLAWPIPE_SANDBOX_UID_BASE" in out.stdout
+
+
+# --- the sweep: processes that try to slip past it ---
+
+# Its main thread ends alone (SYS_exit, not exit_group): /proc shows the process as a zombie while its other
+# thread runs on.
+LONE_THREAD = r"""
+import ctypes, os, threading, time
+threading.Thread(target=time.sleep, args=(600,)).start()
+print(os.getpid(), flush=True)
+ctypes.CDLL(None, use_errno=True).syscall(60, 0)
+"""
+
+# A chain whose every link forks the next and exits, so its pid changes all the time; it writes to the pipe
+# it inherited every 20 links, which shows whether it still runs without looking for it in /proc.
+PID_HOPPER = r"""
+import os, sys
+fd, n = int(sys.argv[1]), 0
+while True:
+    if os.fork() != 0:
+        os._exit(0)
+    n += 1
+    if n % 20 == 0:
+        os.write(fd, b".")
+"""
+
+
+def as_uid(uid: int, *argv: str) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
+
+
+def kill_all_of(uid: int) -> None:
+    """The tests' own cleanup, whatever the sweep under test did."""
+    subprocess.run(as_uid(uid, "kill", "-KILL", "-1"), capture_output=True, check=False)
+
+
+@pytest.mark.sandbox
+def test_a_process_whose_main_thread_exited_is_found_and_killed_by_the_sweep() -> None:
+    uid = BASE + 40
+    proc = subprocess.Popen(as_uid(uid, sys.executable, "-c", LONE_THREAD), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        deadline = time.monotonic() + 10
+        while "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert len(os.listdir(f"/proc/{pid}/task")) == 2  # a zombie leader, one thread alive
+        assert processes_of(uid) == [pid]
+        assert kill_processes_of(uid, deadline_s=3) == 1
+        assert proc.wait(timeout=5) == -signal.SIGKILL  # the whole process ended, its live thread too
+    finally:
+        kill_all_of(uid)
+        proc.kill()
+        proc.wait()
+
+
+def read_until_eof(fd: int, timeout_s: float) -> bool:
+    """Drain ``fd``; True when every writer has closed it within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0] and not os.read(fd, 65536):
+            return True
+    return False
+
+
+@pytest.mark.sandbox
+def test_a_process_that_keeps_changing_its_pid_is_killed_by_the_sweep() -> None:
+    uid = BASE + 41
+    r, w = os.pipe()
+    try:
+        cmd = as_uid(uid, sys.executable, "-c", PID_HOPPER, str(w))
+        subprocess.run(cmd, pass_fds=(w,), timeout=30, check=True)  # its first link exits at once
+        os.close(w)
+        w = -1
+        seen = b""
+        while len(seen) < 5:  # the chain runs: 100 links
+            assert select.select([r], [], [], 20)[0], "the chain did not start"
+            seen += os.read(r, 16)
+        kill_processes_of(uid, deadline_s=3)
+        assert read_until_eof(r, 3.0), "the chain outlived the sweep"
+    finally:
+        kill_all_of(uid)
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
