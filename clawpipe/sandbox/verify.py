@@ -233,9 +233,10 @@ def run_check(
     """
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
-    lease = _lease(backend, uids)
     vdir = Path(tempfile.mkdtemp(prefix="clawpipe-check-", dir=scratch))
+    lease = UidLease(SHARED_USER, None)
     try:
+        lease = _lease(backend, uids)  # inside: whatever fails from here on, the uid is given back
         skipped = _lay_out(vdir, program, workdir, _owner(backend, lease.user))
         tag = re.sub(r"[^a-z0-9_.-]", "-", label.lower())[:40] or "check"
         manifest = HarnessManifest(

@@ -4,6 +4,8 @@ sandbox of the run's backend (bwrap, docker), and the process backend refuses it
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +171,22 @@ def test_a_check_runs_as_a_uid_of_its_own_that_is_free_again_afterwards(tmp_path
     again = pool.lease(wait_s=0)
     assert again.user.uid == 1_950_000  # free again, and so is the check's own (else the lease above waits)
     again.release()
+
+
+@pytest.mark.sandbox
+def test_a_check_whose_folder_cannot_be_made_gives_its_uid_back(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(scratch)], check=True)  # a dead disk
+    pool = UidPool(1_950_010, 1, tmp_path / "locks")
+    backend = get_backend("bwrap")
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        program = CheckProgram(files={"c.py": "pass\n"}, command=("python3", "-I", "c.py"))
+        with pytest.raises(OSError, match="Read-only file system"):
+            run_check(backend, program, tmp_path, scratch=scratch, uids=pool)
+        assert len(os.listdir("/proc/self/fd")) == fds  # no lock file left open
+        pool.lease(wait_s=0).release()  # the range's only uid is free again
+    finally:
+        backend.close()
+        subprocess.run(["umount", str(scratch)], check=False)
