@@ -46,6 +46,7 @@ DEFAULT_BASE = 1_100_000  # far above real users (useradd stops at 60000) and 65
 DEFAULT_COUNT = 4096
 MAX_ID = 2**32 - 2  # (uid_t)-1 means "no change" to setresuid and friends
 ROOT_LOCK_DIR = Path("/run/clawpipe/sandbox-uids")
+SUBID_FILES = ("/etc/subuid", "/etc/subgid")
 LEASE_WAIT_S = 60.0  # every uid in use (other runners on the host): wait this long for one before failing
 SWEEP_DEADLINE_S = 5.0
 _KILL = next((k for k in ("/usr/bin/kill", "/bin/kill") if shutil.which(k)), None)  # procps or util-linux
@@ -79,9 +80,27 @@ def _ids_in(path: str, column: int) -> set[int]:
     return ids
 
 
+def _subordinate_overlap(base: int, count: int) -> str | None:
+    """The first subordinate id range (/etc/subuid, /etc/subgid: ``owner:first:count``) that meets
+    ``[base, base + count)``, as ``file (owner first-last)``; None when none does."""
+    for path in SUBID_FILES:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                rows = [line.strip().split(":") for line in f]
+        except OSError:
+            continue
+        for row in rows:
+            if len(row) == 3 and row[1].isdigit() and row[2].isdigit():
+                first, n = int(row[1]), int(row[2])
+                if first < base + count and base < first + n:
+                    return f"{path} ({row[0]} {first}-{first + n - 1})"
+    return None
+
+
 def validate_range(base: int, count: int, concurrency: int = 1) -> None:
     """Raise ConfigError unless ``[base, base + count)`` is a usable sandbox uid range for ``concurrency``
-    sandboxes at once: inside [1, 2^32 - 2], clear of every uid in /etc/passwd and gid in /etc/group."""
+    sandboxes at once: inside [1, 2^32 - 2], clear of every uid in /etc/passwd and gid in /etc/group, and of
+    the subordinate ids users' rootless containers run as (/etc/subuid, /etc/subgid)."""
     where = "(CLAWPIPE_SANDBOX_UID_BASE / CLAWPIPE_SANDBOX_UID_COUNT)"
     if count < 1 or base < 1 or base + count - 1 > MAX_ID:
         raise ConfigError(
@@ -93,6 +112,12 @@ def validate_range(base: int, count: int, concurrency: int = 1) -> None:
         raise ConfigError(
             f"sandbox uid range [{base}, {base + count - 1}] {where} overlaps host users or groups "
             f"({', '.join(map(str, taken[:5]))}): a sandbox would act as them; move the range above them"
+        )
+    sub = _subordinate_overlap(base, count)
+    if sub:  # the sweep before each reuse would kill that user's container processes, and sandboxes act as them
+        raise ConfigError(
+            f"sandbox uid range [{base}, {base + count - 1}] {where} overlaps the subordinate ids of {sub}, which "
+            "a user's rootless containers run as; move the range clear of every range there"
         )
     if count < concurrency:
         raise ConfigError(

@@ -27,7 +27,7 @@ import pytest
 
 from clawpipe.config import get_settings
 from clawpipe.errors import ConfigError, SandboxError
-from clawpipe.sandbox import Limits, RolloutSpec, run_rollouts
+from clawpipe.sandbox import Limits, RolloutSpec, run_rollouts, uids
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.docker import maps_host_uids
 from clawpipe.sandbox.limits import NPROC_SHARE, apply_rlimits
@@ -492,3 +492,20 @@ def test_a_process_that_keeps_changing_its_pid_is_killed_by_the_sweep() -> None:
         for fd in (r, w):
             if fd >= 0:
                 os.close(fd)
+
+
+def test_a_range_that_meets_a_users_subordinate_ids_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """useradd gives every user 65536 subordinate ids from 100000 on (/etc/subuid): the 16th user's reach the
+    default range. Their rootless containers run as those uids, which the sweep would kill."""
+    subuid, subgid = tmp_path / "subuid", tmp_path / "subgid"
+    subuid.write_text(f"alice:100000:65536\nbob:{BASE - 10}:65536\n")
+    subgid.write_text("alice:100000:65536\n")
+    monkeypatch.setattr(uids, "SUBID_FILES", (str(subuid), str(subgid)))
+    with pytest.raises(ConfigError, match=rf"overlaps the subordinate ids of {subuid} \(bob {BASE - 10}-"):
+        validate_range(BASE, 4)
+    with pytest.raises(ConfigError, match="subordinate ids"):
+        UidPool(BASE, 4, tmp_path / "locks")
+    validate_range(BASE + 65536, 4)  # clear of both ranges
+    subgid.write_text(f"carol:{BASE + 65536 + 2}:10\n")  # a group range counts too
+    with pytest.raises(ConfigError, match=rf"{subgid} \(carol"):
+        validate_range(BASE + 65536, 4)
