@@ -200,7 +200,7 @@ def _kill_all_as(uid: int) -> bool:
     """``kill(-1, SIGKILL)`` from a helper running as ``uid``: the kernel signals every process of the uid in one
     pass that a fork cannot slip through, also one that keeps changing its pid (forks, then exits) faster than
     /proc can be read. False where no helper could run (not root, no kill program)."""
-    if _KILL is None:
+    if _KILL is None or os.geteuid() != 0:  # only root may become another uid
         return False
     try:
         subprocess.run(
@@ -322,7 +322,14 @@ class UidPool:
                         "namespace (/proc/self/uid_map, gid_map; a container with a narrow id map): move the range "
                         "inside the mapped ids with CLAWPIPE_SANDBOX_UID_BASE",
                     )
-                self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                try:
+                    self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                except OSError as exc:  # e.g. a container whose /run is read-only
+                    raise OSError(
+                        exc.errno,
+                        f"cannot make {self.lock_dir} ({exc.strerror}): point CLAWPIPE_SANDBOX_UID_LOCKS at a folder "
+                        f"on a writable disk that only uid {os.geteuid()} may write",
+                    ) from exc
                 st = os.lstat(self.lock_dir)
                 if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
                     raise OSError(

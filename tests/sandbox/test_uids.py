@@ -509,3 +509,44 @@ def test_a_range_that_meets_a_users_subordinate_ids_is_refused(tmp_path: Path, m
     subgid.write_text(f"carol:{BASE + 65536 + 2}:10\n")  # a group range counts too
     with pytest.raises(ConfigError, match=rf"{subgid} \(carol"):
         validate_range(BASE + 65536, 4)
+
+
+@pytest.mark.sandbox
+def test_a_lock_folder_on_a_read_only_disk_falls_back_to_65534_and_names_the_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"  # like a container's read-only /run, where /run/clawpipe does not exist yet
+    run.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(run)], check=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="clawpipe.sandbox.uids"):
+            lease = UidPool(BASE, 4, run / "clawpipe" / "sandbox-uids").lease()
+    finally:
+        subprocess.run(["umount", str(run)], check=False)
+    assert lease.user == SHARED_USER
+    assert "Read-only file system" in caplog.text and "CLAWPIPE_SANDBOX_UID_LOCKS" in caplog.text, caplog.text
+    assert "every sandbox runs as the shared uid 65534" in caplog.text
+    lease.release()
+
+
+@pytest.mark.sandbox
+def test_a_runner_that_may_not_signal_a_uids_processes_says_so_at_once() -> None:
+    """A runner that is not root (docker as a member of the docker group) cannot kill what a killed runner's
+    containers left running: the sweep says so at once instead of retrying until its deadline."""
+    uid = BASE + 42
+    stray = subprocess.Popen(as_uid(uid, "sleep", "60"))
+    try:
+        while stray.pid not in processes_of(uid):
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        os.seteuid(BASE + 43)  # this process, as another unprivileged uid, for the sweep alone
+        try:
+            with pytest.raises(SandboxError, match=rf"may not signal the 1 processes of sandbox uid {uid}.*root"):
+                kill_processes_of(uid, deadline_s=5)
+        finally:
+            os.seteuid(0)
+        assert time.monotonic() - t0 < 2
+        assert stray.poll() is None
+    finally:
+        stray.kill()
+        stray.wait()
