@@ -550,3 +550,79 @@ def test_a_runner_that_may_not_signal_a_uids_processes_says_so_at_once() -> None
     finally:
         stray.kill()
         stray.wait()
+
+
+# --- what a uid's sandbox could leave for the next sandbox of the same uid ---
+
+# "make" leaves one of everything that outlives processes where it is shared: a POSIX message queue, SysV
+# shared memory, a SysV queue and semaphores, files in /tmp and /dev/shm; "look" (the next holder of the uid)
+# looks for each of them.
+IPC_HARNESS = r"""
+import ctypes, json, os, pathlib
+task = json.loads(pathlib.Path(os.environ["CLAWPIPE_TASK"]).read_text())
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.restype = ctypes.c_int
+libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+KEY, IPC_CREAT = 0x5A17, 0o1000
+make = task["data"]["role"] == "make"
+flags = (os.O_CREAT | os.O_RDWR) if make else os.O_RDONLY
+ipc = IPC_CREAT | 0o600 if make else 0
+found = {
+    "mqueue": libc.mq_open(b"/clawpipe-left", flags, 0o600, None) >= 0,
+    "shm": libc.shmget(KEY, 4096, ipc) >= 0,
+    "msg": libc.msgget(KEY, ipc) >= 0,
+    "sem": libc.semget(KEY, 1, ipc) >= 0,
+}
+for d in ("/tmp", "/dev/shm"):
+    if make:
+        pathlib.Path(d, "left").write_text("x")
+    found[d] = pathlib.Path(d, "left").exists()
+found["uid"] = os.getuid()
+pathlib.Path(os.environ["CLAWPIPE_OUTPUT"], "report.json").write_text(json.dumps(found))
+"""
+
+
+def sysv_ids_of(uid: int) -> list[str]:
+    """Rows of the host namespace's /proc/sysvipc tables that name ``uid`` (as owner or creator)."""
+    rows = []
+    for kind in ("shm", "msg", "sem"):
+        for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]:
+            if str(uid) in line.split():
+                rows.append(f"{kind}: {line}")
+    return rows
+
+
+@pytest.mark.sandbox
+def test_ipc_objects_and_temporary_files_of_a_sandbox_never_reach_the_next_sandbox_of_its_uid(
+    tmp_path: Path,
+) -> None:
+    harness = make_harness(tmp_path, "ipc", IPC_HARNESS)
+    tasks = EchoTaskSet().generate(2)
+    for task, role in zip(tasks, ("make", "look"), strict=True):
+        task["data"]["role"] = role
+    pool = UidPool(BASE + 44, 1, tmp_path / "locks")  # one uid: both sandboxes run as it, one after the other
+    reports = []
+    meet = Rendezvous()
+    try:
+        for task in tasks:
+            res = run_rollouts(
+                [RolloutSpec(run_id="ipc", iteration=0, harness=str(harness), task=task, model="m")],
+                proxy_url=meet.url,
+                backend="bwrap",
+                concurrency=1,
+                results_path=tmp_path / "results.jsonl",
+                secret=b"s",
+                scratch_dir=tmp_path / "scratch",
+                task_sets={"echo": EchoTaskSet()},
+                keep_workdirs=True,
+                uid_pool=pool,
+            )
+            assert res[0].status == "succeeded", res[0].stderr_tail
+            reports.append(json.loads((Path(res[0].workdir or "") / "out" / "report.json").read_text()))
+            assert sysv_ids_of(BASE + 44) == []  # nothing of the uid in the host's own IPC namespace
+    finally:
+        meet.close()
+    made, looked = reports
+    assert made["uid"] == looked["uid"] == BASE + 44
+    assert all(made[k] for k in ("mqueue", "shm", "msg", "sem", "/tmp", "/dev/shm")), made
+    assert not any(looked[k] for k in ("mqueue", "shm", "msg", "sem", "/tmp", "/dev/shm")), looked
