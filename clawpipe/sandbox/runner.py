@@ -113,17 +113,21 @@ class _Batch:
         release(rdir)  # a rerun's leftovers, also a tmpfs that a killed runner left mounted
         rdir.mkdir(parents=True)
         mount_quota(rdir, manifest.limits.disk_mb)  # work dir, task and logs share the rollout's disk quota
-        work = rdir / "work"
-        (work / "out").mkdir(parents=True)
-        (work / "home").mkdir()
-        (rdir / "task.json").write_text(json.dumps(harness_view(spec.task)))  # data.hidden stays here
-        (rdir / "task.json").chmod(0o644)
-        self.task_set(spec.task["task_set"]).prepare(spec.task, work)
-        if self.backend.name != "process":
-            if os.geteuid() == 0:
-                chown_tree(work, user.uid, user.gid)
-            else:  # e.g. docker as a member of the docker group: let the sandbox's uid write anyway
-                open_tree(work)
+        try:
+            work = rdir / "work"
+            (work / "out").mkdir(parents=True)
+            (work / "home").mkdir()
+            (rdir / "task.json").write_text(json.dumps(harness_view(spec.task)))  # data.hidden stays here
+            (rdir / "task.json").chmod(0o644)
+            self.task_set(spec.task["task_set"]).prepare(spec.task, work)
+            if self.backend.name != "process":
+                if os.geteuid() == 0:
+                    chown_tree(work, user.uid, user.gid)
+                else:  # e.g. docker as a member of the docker group: let the sandbox's uid write anyway
+                    open_tree(work)
+        except BaseException:  # the caller never learns of this folder: its tmpfs would stay mounted
+            release(rdir)
+            raise
         return rdir
 
     def run_one(self, spec: RolloutSpec, manifest: HarnessManifest) -> RolloutResult:

@@ -248,3 +248,29 @@ def test_rlimit_fallback_without_cgroups(tmp_path: Path, upstream: Upstream, ech
     backend = ProcessBackend(cgroups=CgroupLayout(version=0))  # as where no cgroup is writable
     res = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend=backend)
     assert res[0].status == "oom" and res[0].stderr_tail.strip().endswith("MemoryError")
+
+
+class BrokenPrepare(EchoTaskSet):
+    def prepare(self, task: dict[str, Any], workdir: Path) -> None:
+        raise RuntimeError("this task cannot be prepared")
+
+
+def test_a_rollout_whose_setup_raises_leaves_no_folder_mounted(tmp_path: Path, upstream: Upstream) -> None:
+    harness = make_harness(tmp_path, "h", "pass\n")
+    specs = [
+        RolloutSpec(run_id="r", iteration=0, harness=str(harness), task=t, model="m") for t in EchoTaskSet().generate(2)
+    ]
+    res = run_rollouts(
+        specs,
+        proxy_url=upstream.url,
+        backend=ProcessBackend(),
+        results_path=tmp_path / "results.jsonl",
+        secret=b"s",
+        scratch_dir=tmp_path / "scratch",
+        task_sets={"echo": BrokenPrepare()},
+        max_attempts=1,
+    )
+    assert [r.status for r in res] == ["infra_error"] * 2 and "cannot be prepared" in (res[0].error or "")
+    mounts = Path("/proc/self/mounts").read_text()
+    assert str(tmp_path / "scratch") not in mounts  # each rollout's quota tmpfs went with its failed setup
+    assert not list((tmp_path / "scratch" / "r" / "iter-0").iterdir())
