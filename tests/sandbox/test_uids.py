@@ -9,6 +9,7 @@ fails; with a uid per sandbox it succeeds.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -626,3 +627,105 @@ def test_ipc_objects_and_temporary_files_of_a_sandbox_never_reach_the_next_sandb
     assert made["uid"] == looked["uid"] == BASE + 44
     assert all(made[k] for k in ("mqueue", "shm", "msg", "sem", "/tmp", "/dev/shm")), made
     assert not any(looked[k] for k in ("mqueue", "shm", "msg", "sem", "/tmp", "/dev/shm")), looked
+
+
+# --- many sandboxes at once, from two runners sharing the host's range ---
+
+# Says which uid it ran as and when; "slow" outlives the runner's timeout (killed), the rest end at once.
+TIMED_HARNESS = r"""
+import json, os, pathlib, time
+task = json.loads(pathlib.Path(os.environ["CLAWPIPE_TASK"]).read_text())
+start = time.time()
+time.sleep(30 if task["data"].get("slow") else 0.1)
+out = pathlib.Path(os.environ["CLAWPIPE_OUTPUT"])
+(out / "report.json").write_text(json.dumps({"uid": os.getuid(), "start": start, "end": time.time()}))
+(out / "answer.txt").write_text("42")
+"""
+
+
+def open_files() -> list[str]:
+    """What this process's descriptors point at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
+
+
+class FailingPrepareTaskSet(EchoTaskSet):
+    """Its prepare() raises for tasks marked "broken": a rollout whose setup fails after its uid was taken."""
+
+    def prepare(self, task: dict[str, Any], workdir: Path) -> None:
+        if task["data"].get("broken"):
+            raise RuntimeError("this task cannot be prepared")
+        super().prepare(task, workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_two_runners_with_many_sandboxes_at_once_never_share_a_uid_and_give_every_uid_back(tmp_path: Path) -> None:
+    harness = make_harness(tmp_path, "timed", TIMED_HARNESS)
+    count, per_runner, concurrency = 16, 25, 8  # 2 x 8 sandboxes at once on 16 uids: every uid in use
+    locks = tmp_path / "locks"
+    meet = Rendezvous()
+    results: dict[str, list[Any]] = {}
+    errors: list[BaseException] = []
+
+    def runner(name: str) -> None:
+        tasks = FailingPrepareTaskSet().generate(per_runner, seed=len(name))
+        tasks[3]["data"]["slow"] = True  # killed at the timeout
+        tasks[7]["data"]["broken"] = True  # its setup raises
+        specs = [RolloutSpec(run_id=name, iteration=0, harness=str(harness), task=t, model="m") for t in tasks]
+        try:
+            results[name] = run_rollouts(
+                specs,
+                proxy_url=meet.url,
+                backend="bwrap",
+                concurrency=concurrency,
+                results_path=tmp_path / f"results-{name}.jsonl",
+                secret=b"s",
+                scratch_dir=tmp_path / "scratch",
+                task_sets={"echo": FailingPrepareTaskSet()},
+                keep_workdirs=True,
+                timeout_s=3,
+                max_attempts=1,
+                uid_pool=UidPool(BASE + 100, count, locks),  # a pool of its own, as in another process
+            )
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    fds = len(open_files())
+    threads = [threading.Thread(target=runner, args=(n,)) for n in ("a", "bb")]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        meet.close()
+    assert not errors, errors
+    spans: dict[int, list[tuple[float, float]]] = {}
+    statuses = []
+    for res in results.values():
+        for r in res:
+            statuses.append(r.status)
+            report = Path(r.workdir or "") / "out" / "report.json"
+            if report.is_file():
+                rep = json.loads(report.read_text())
+                spans.setdefault(rep["uid"], []).append((rep["start"], rep["end"]))
+    assert statuses.count("succeeded") == 2 * (per_runner - 2), statuses
+    assert statuses.count("timeout") == 2 and statuses.count("infra_error") == 2, statuses
+    assert set(spans) <= set(range(BASE + 100, BASE + 100 + count)) and len(spans) > concurrency
+    for uid, runs in spans.items():  # one uid, one sandbox at a time
+        runs.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(runs)), (uid, runs)
+    left = open_files()
+    assert len(left) <= fds and not [f for f in left if str(locks) in f], left  # no lock file left open
+    pool = UidPool(BASE + 100, count, locks)
+    held = [pool.lease(wait_s=0) for _ in range(count)]  # every uid free again, also after the kill and the raise
+    assert sorted(h.user.uid for h in held) == list(range(BASE + 100, BASE + 100 + count))
+    assert all((locks / f"{u}.lock").stat().st_size > 0 for u in range(BASE + 100, BASE + 100 + count))
+    for h in held:
+        h.release()
+    assert all((locks / f"{u}.lock").read_bytes() == b"" for u in range(BASE + 100, BASE + 100 + count))
+    assert str(tmp_path) not in Path("/proc/self/mounts").read_text()  # the failed setups' quota tmpfs too
