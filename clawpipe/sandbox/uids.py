@@ -242,12 +242,12 @@ def _kill_each(pids: list[int], uid: int) -> tuple[int, int]:
     return killed, refused
 
 
-def kill_processes_of(uid: int, deadline_s: float = SWEEP_DEADLINE_S) -> int:
-    """SIGKILL every process running as ``uid`` until none is left; returns how many there were (as far as a scan
-    of /proc saw them).
-    Raises SandboxError when some survive ``deadline_s`` or this runner may not signal them (not root)."""
+def kill_processes_of(uid: int, deadline_s: float = SWEEP_DEADLINE_S) -> None:
+    """SIGKILL every process running as ``uid`` until none is left. Raises SandboxError when some survive
+    ``deadline_s`` or this runner may not signal them (not root).
+
+    Costs one kill helper and one scan of /proc when nothing runs as ``uid`` (the usual case)."""
     deadline = time.monotonic() + deadline_s
-    found = len(processes_of(uid))
     everyone = _kill_all_as(uid)  # unconditionally: a pid-hopping process may be in no scan at all
     while pids := processes_of(uid):
         if time.monotonic() > deadline:
@@ -261,7 +261,6 @@ def kill_processes_of(uid: int, deadline_s: float = SWEEP_DEADLINE_S) -> int:
                 f"(pids {pids[:5]}): run the runner as root, or end them (e.g. remove the leftover containers)"
             )
         time.sleep(0.01)
-    return found
 
 
 class UidLease:
@@ -394,8 +393,11 @@ class UidPool:
         try:
             previous = os.pread(fd, 64, 0)
             if previous:  # its last holder died holding it: whatever it left running goes first
-                n = kill_processes_of(uid)
-                logger.info("sandbox uid %d: killed %d processes left by holder %s", uid, n, previous.decode().strip())
+                left = processes_of(uid)
+                kill_processes_of(uid)
+                logger.info(
+                    "sandbox uid %d: killed what holder %s left running (pids %s)", uid, previous.decode().strip(), left
+                )
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except (SandboxError, OSError) as exc:
