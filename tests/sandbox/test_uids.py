@@ -34,6 +34,7 @@ from clawpipe.sandbox.backends.docker import maps_host_uids
 from clawpipe.sandbox.limits import NPROC_SHARE, apply_rlimits
 from clawpipe.sandbox.uids import (
     SHARED_USER,
+    UidLease,
     UidPool,
     kill_processes_of,
     processes_of,
@@ -729,3 +730,48 @@ def test_two_runners_with_many_sandboxes_at_once_never_share_a_uid_and_give_ever
         h.release()
     assert all((locks / f"{u}.lock").read_bytes() == b"" for u in range(BASE + 100, BASE + 100 + count))
     assert str(tmp_path) not in Path("/proc/self/mounts").read_text()  # the failed setups' quota tmpfs too
+
+
+class SlowSweepPool(UidPool):
+    """A pool whose releases take a second, as sweeps do on a host running many thousands of processes."""
+
+    def lease(self, wait_s: float = 60.0) -> UidLease:
+        lease = super().lease(wait_s)
+        release = lease.release
+
+        def slow() -> None:
+            time.sleep(1.0)
+            release()
+
+        lease.release = slow  # type: ignore[method-assign]
+        return lease
+
+
+@pytest.mark.sandbox
+def test_a_slow_uid_release_is_off_the_rollouts_path_and_done_before_the_batch_returns(tmp_path: Path) -> None:
+    harness = make_harness(tmp_path, "timed", TIMED_HARNESS)
+    specs = [
+        RolloutSpec(run_id="slow", iteration=0, harness=str(harness), task=t, model="m")
+        for t in EchoTaskSet().generate(4)
+    ]
+    pool = SlowSweepPool(BASE + 200, 4, tmp_path / "locks")
+    meet = Rendezvous()
+    try:
+        res = run_rollouts(
+            specs,
+            proxy_url=meet.url,
+            backend="bwrap",
+            concurrency=2,
+            results_path=tmp_path / "results.jsonl",
+            secret=b"s",
+            scratch_dir=tmp_path / "scratch",
+            task_sets={"echo": EchoTaskSet()},
+            uid_pool=pool,
+        )
+    finally:
+        meet.close()
+    assert [r.status for r in res] == ["succeeded"] * 4
+    assert max(r.duration_s or 0.0 for r in res) < 1.0, [r.duration_s for r in res]  # no rollout waited for a sweep
+    held = [UidPool(BASE + 200, 4, tmp_path / "locks").lease(wait_s=0) for _ in range(4)]  # all given back already
+    for h in held:
+        h.release()
