@@ -12,7 +12,10 @@ by the kernel when the holder dies, however it dies. While held, the lock file n
 clean release empties it. A uid whose file is found non-empty was left by a runner that was killed, so
 before it is handed out again every process still running under it (e.g. a container of that runner) is
 killed; on a clean release the same sweep runs first, so a uid is never reused while a process of its
-previous sandbox lives.
+previous sandbox lives. The sweep is a ``kill(-1, SIGKILL)`` from a helper running as the uid (the kernel's
+one pass over every process, which no fork escapes), then scans of /proc until nothing of the uid runs.
+The range must stay clear of host users and groups and of the subordinate ids (/etc/subuid, /etc/subgid)
+that users' rootless containers run as: the sweep would kill those.
 
 Where no lock folder can be used (or the backend cannot take such uids: a rootless Docker engine),
 sandboxes fall back to the shared uid 65534 (``nobody``), with a warning: the per-uid budgets are then
