@@ -32,12 +32,11 @@ from clawpipe.sandbox import Limits, RolloutSpec, run_rollouts, uids
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.docker import maps_host_uids
 from clawpipe.sandbox.limits import NPROC_SHARE, apply_rlimits
+from clawpipe.sandbox.sweep import kill_processes_of, processes_of
 from clawpipe.sandbox.uids import (
     SHARED_USER,
     UidLease,
     UidPool,
-    kill_processes_of,
-    processes_of,
     unmapped_ids,
     validate_range,
 )
