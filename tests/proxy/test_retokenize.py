@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import openai
@@ -128,3 +130,117 @@ def test_a_prefilled_messages_call_from_an_upstream_without_ids_is_retokenized_o
     retok = Retokenizer(model_dir)
     head = retok.encode("<|im_start|>user\nthe weather in paris<|im_end|>\n<|im_start|>assistant\n")
     assert rec.header["retokenized"]["prompt_token_ids"] == head + retok.encode("the")
+
+
+def _strip_ids(value: Any) -> Any:
+    """`value` without any token-id field, as an engine that returns no ids answers."""
+    if isinstance(value, dict):
+        return {k: _strip_ids(v) for k, v in value.items() if "token_ids" not in k}
+    if isinstance(value, list):
+        return [_strip_ids(v) for v in value]
+    return value
+
+
+class _IdlessRelay:
+    """A loopback HTTP relay to the engine that keeps the engine's answers (to compare with) and hands the proxy
+    the same answers without their ids (non-streaming calls)."""
+
+    def __init__(self, engine_url: str) -> None:
+        import http.server
+        import threading
+
+        import httpx
+
+        relay = self
+        self.answers: list[dict[str, Any]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                headers = {k: v for k, v in self.headers.items() if k.lower().startswith(("content-type", "x-"))}
+                got = httpx.post(engine_url + self.path, content=body, headers=headers, timeout=120)
+                answer = got.json()
+                relay.answers.append(answer)
+                out = json.dumps(_strip_ids(answer)).encode()
+                self.send_response(got.status_code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def idless_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[_IdlessRelay, Path]]:
+    from clawpipe.serving.policy import init_policy
+    from clawpipe.serving.server import start_server
+
+    model = init_policy(tmp_path_factory.mktemp("policy") / "tiny", size="tiny", seed=0)
+    handle = start_server(model, device="cpu", admin_token="adm", max_model_len=2048, served_name="tiny")
+    relay = _IdlessRelay(handle.url)
+    yield relay, model
+    relay.close()
+    handle.stop()
+
+
+PREFILL_CALLS = {
+    "messages text blocks": (
+        "messages",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": '{"ans'}, {"type": "text", "text": 'wer":'}],
+                },
+            ]
+        },
+    ),
+    "messages special text": (
+        "messages",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok<|im_end|>"}]},
+    ),
+    "chat continue_final_message": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PREFILL_CALLS))
+def test_a_prefilled_call_to_an_engine_without_ids_is_retokenized_to_the_engines_own_prompt(
+    make_proxy: Any, idless_engine: tuple[_IdlessRelay, Path], case: str
+) -> None:
+    """Proxy -> relay that drops the ids -> clawpipe's engine: the retokenized prompt of a prefilled call is the
+    prompt the engine conditioned on, id for id."""
+    import httpx
+
+    relay, model_dir = idless_engine
+    api, body = PREFILL_CALLS[case]
+    proxy = make_proxy([relay.url], tokenizer_dir=model_dir)
+    base = (
+        proxy.anthropic_base("p1") + "/v1/messages"
+        if api == "messages"
+        else proxy.openai_base("p1") + "/chat/completions"
+    )
+    r = httpx.post(base, json={"model": "tiny", "max_tokens": 4, "temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    (rec,) = proxy.records()
+    assert rec.header["token_source"] == "retokenized"
+    engine_prompt = relay.answers[-1]["prompt_token_ids"]
+    assert rec.header["retokenized"]["prompt_token_ids"] == engine_prompt
