@@ -1,0 +1,54 @@
+"""A prefilled request sampled with a seed: the stream and the plain response give the same ids, and both
+count the prefill's ids in the prompt tokens and only the continuation in the completion tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.serving.calls import post, stream_events
+
+MESSAGES = [{"role": "user", "content": "Answer in JSON."}, {"role": "assistant", "content": '{"answer":'}]
+
+
+def _body(api: str, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_tokens": 10, "temperature": 1.0, "seed": 11, "messages": MESSAGES, "stream": stream}
+    if api == "chat":
+        body.update(continue_final_message=True, add_generation_prompt=False)
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _plain(api: str, got: dict[str, Any]) -> tuple[list[int], list[int], int, int]:
+    """(prompt ids, completion ids, prompt tokens, completion tokens) of a plain response."""
+    if api == "messages":
+        usage = got["usage"]
+        return got["prompt_token_ids"], got["token_ids"], usage["input_tokens"], usage["output_tokens"]
+    usage = got["usage"]
+    ids = got["choices"][0]["token_ids"]
+    return got["prompt_token_ids"], ids, usage["prompt_tokens"], usage["completion_tokens"]
+
+
+def _streamed(api: str, text: str) -> tuple[list[int], list[int], int, int]:
+    events = stream_events(text)
+    if api == "messages":
+        start = next(e for e in events if e["type"] == "message_start")["message"]
+        delta = next(e for e in events if e["type"] == "message_delta")
+        usage = delta["usage"]
+        return start["prompt_token_ids"], delta["token_ids"], usage["input_tokens"], usage["output_tokens"]
+    ids = [t for c in events for ch in c["choices"] for t in ch.get("token_ids", [])]
+    usage = next(c["usage"] for c in events if c.get("usage"))
+    return events[0]["prompt_token_ids"], ids, usage["prompt_tokens"], usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("api", ["messages", "chat"])
+def test_stream_and_plain_give_the_same_ids_and_usage_for_a_prefill(server: Any, api: str) -> None:
+    plain = post(server, api, _body(api, False))
+    streamed = post(server, api, _body(api, True))
+    assert plain.status_code == 200 and streamed.status_code == 200, (plain.text, streamed.text)
+    got = _plain(api, plain.json())
+    assert _streamed(api, streamed.text) == got
+    prompt, ids, n_prompt, n_completion = got
+    assert (n_prompt, n_completion) == (len(prompt), len(ids)) and ids
