@@ -3,13 +3,21 @@ count the prefill's ids in the prompt tokens and only the continuation in the co
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from clawpipe.serving import policy
 from tests.serving.calls import post, stream_events
 
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}, {"role": "assistant", "content": '{"answer":'}]
+
+
+@pytest.fixture(scope="module")
+def tok(scripted_dir: Path) -> Any:
+    return policy.load_tokenizer(scripted_dir)
 
 
 def _body(api: str, stream: bool) -> dict[str, Any]:
@@ -52,3 +60,21 @@ def test_stream_and_plain_give_the_same_ids_and_usage_for_a_prefill(server: Any,
     assert _streamed(api, streamed.text) == got
     prompt, ids, n_prompt, n_completion = got
     assert (n_prompt, n_completion) == (len(prompt), len(ids)) and ids
+
+
+def test_responses_and_completions_do_not_continue_a_final_assistant_message(server: Any, tok: Any) -> None:
+    """The Responses API renders an input ending in an assistant message with a new assistant turn after it
+    (vLLM's fields mean nothing there), and a completions prompt ending in the assistant's text is encoded
+    as it is, with nothing opened or closed around it."""
+    r = post(
+        server,
+        "responses",
+        {"input": MESSAGES, "max_output_tokens": 2, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert r.status_code == 200, r.text
+    want = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert r.json()["prompt_token_ids"] == list(want)
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, continue_final_message=True)
+    c = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": text, "max_tokens": 2}, timeout=60)
+    assert c.status_code == 200, c.text
+    assert c.json()["prompt_token_ids"] == list(tok.encode(text, add_special_tokens=False))
