@@ -1,6 +1,7 @@
 """A prefill is the model's own text to go on from: special-token strings in it are spelt as text, never
 turned into the special tokens themselves (a prefill of "<|im_end|>" would otherwise close the open turn, and
-one holding "<|im_start|>user" would open a turn the client never had)."""
+one holding "<|im_start|>user" would open a turn the client never had); an answer cut inside a multi-byte
+character goes on from its sampled bytes."""
 
 from __future__ import annotations
 
@@ -64,3 +65,21 @@ def test_a_prefill_holding_special_token_text_injects_no_special_token(
     usage = got["usage"]
     prompt_count = usage["input_tokens"] if api == "messages" else usage["prompt_tokens"]
     assert prompt_count == len(head) + len(_as_text(tok, prefill))
+
+
+def test_a_cut_off_answer_ending_mid_character_is_continued_from_its_sampled_bytes(tok: Any) -> None:
+    """An answer cut by max_tokens inside a multi-byte character reaches the client ending in U+FFFD; sent back
+    to be continued, its sampled ids go in as they were (the character's first byte last), so the model can
+    finish the character, instead of the replacement character's own bytes."""
+    from clawpipe.serving.splice import TurnMemory
+
+    sampled = _as_text(tok, "ok é")[:-1]  # the last id is the character's second byte
+    shown = tok.decode(sampled, skip_special_tokens=False)
+    assert shown.endswith("\ufffd")
+    memory = TurnMemory()
+    memory.remember("r", shown, [], sampled)
+    messages = [*USER, {"role": "assistant", "content": shown}]
+    got = render_open(tok, messages, None, memory.find("r", messages), set(), "continue")
+    assert got is not None
+    assert list(got) == _opened(tok, USER) + sampled
+    assert (got.spliced, got.prefill_ids) == (len(sampled), len(sampled))
