@@ -232,8 +232,12 @@ class Routes:
         """The prompt ids of chat messages, ending as `ending` says (see clawpipe.serving.splice.Ending);
         assistant turns this engine generated for the request's rollout, as they were answered, carry the ids
         it sampled for them (see clawpipe.serving.splice)."""
-        # user, system and tool text is rendered as sent (assistant turns may be trimmed by the template)
-        self.check_text(sum(len(m["content"]) for m in messages if m["role"] != "assistant"))
+        # user, system and tool text is rendered as sent (assistant turns may be trimmed by the template), and so
+        # is an open final turn's prefill, encoded on its own: a huge one is refused before it is tokenized
+        chars = sum(len(m["content"]) for m in messages if m["role"] != "assistant")
+        if ending == "continue":
+            chars += len(str(messages[-1]["content"]))
+        self.check_text(chars)
         template_tools: Any = tools or None
         rollout = REQUEST_ROLLOUT.get() if self.options.splice else None
         tok = self.engine.tokenizer

@@ -78,3 +78,16 @@ def test_responses_and_completions_do_not_continue_a_final_assistant_message(ser
     c = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": text, "max_tokens": 2}, timeout=60)
     assert c.status_code == 200, c.text
     assert c.json()["prompt_token_ids"] == list(tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("api", ["messages", "chat"])
+def test_a_huge_prefill_is_refused_before_it_is_tokenized(server: Any, api: str) -> None:
+    """A prefill far over the context is the usual 400, decided from its length alone (tokenizing it would
+    cost ~80 bytes per character first)."""
+    huge = [MESSAGES[0], {"role": "assistant", "content": "word " * 400_000 + "x"}]
+    body: dict[str, Any] = {"max_tokens": 4, "messages": huge}
+    if api == "chat":
+        body.update(continue_final_message=True, add_generation_prompt=False)
+    r = post(server, api, body)
+    assert r.status_code == 400, r.text
+    assert "context overflow: the prompt has at least" in r.text and "shorten the conversation" in r.text
