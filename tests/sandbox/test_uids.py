@@ -593,9 +593,9 @@ def sysv_ids_of(uid: int) -> list[str]:
     return rows
 
 
-@pytest.mark.sandbox
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ipc_objects_and_temporary_files_of_a_sandbox_never_reach_the_next_sandbox_of_its_uid(
-    tmp_path: Path,
+    backend: str, tmp_path: Path
 ) -> None:
     harness = make_harness(tmp_path, "ipc", IPC_HARNESS)
     tasks = EchoTaskSet().generate(2)
@@ -609,7 +609,7 @@ def test_ipc_objects_and_temporary_files_of_a_sandbox_never_reach_the_next_sandb
             res = run_rollouts(
                 [RolloutSpec(run_id="ipc", iteration=0, harness=str(harness), task=task, model="m")],
                 proxy_url=meet.url,
-                backend="bwrap",
+                backend=backend,
                 concurrency=1,
                 results_path=tmp_path / "results.jsonl",
                 secret=b"s",
