@@ -111,8 +111,8 @@ class _Batch:
 
     def give_back(self, lease: UidLease) -> None:
         """Release ``lease`` off the rollout's path: its sweep scans every process on the host (a tenth of a
-        second with 5,000), while the uid stays locked until the sweep is done. In the caller when the batch
-        is over."""
+        second with 5,000), while the uid stays locked until the sweep is done. Once the batch is
+        over, it runs in the calling thread."""
         if self.releaser is not None:
             try:
                 self.releaser.submit(lease.release)
