@@ -152,6 +152,7 @@ class _IdlessRelay:
         import httpx
 
         relay = self
+        self.engine_url = engine_url
         self.answers: list[dict[str, Any]] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -227,7 +228,8 @@ def test_a_prefilled_call_to_an_engine_without_ids_is_retokenized_to_the_engines
     make_proxy: Any, idless_engine: tuple[_IdlessRelay, Path], case: str
 ) -> None:
     """Proxy -> relay that drops the ids -> clawpipe's engine: the retokenized prompt of a prefilled call is the
-    prompt the engine conditioned on, id for id."""
+    prompt the engine conditioned on, id for id; through a proxy straight to the engine, the captured ids are
+    that prompt too."""
     import httpx
 
     relay, model_dir = idless_engine
@@ -244,3 +246,12 @@ def test_a_prefilled_call_to_an_engine_without_ids_is_retokenized_to_the_engines
     assert rec.header["token_source"] == "retokenized"
     engine_prompt = relay.answers[-1]["prompt_token_ids"]
     assert rec.header["retokenized"]["prompt_token_ids"] == engine_prompt
+    # straight to the engine, the capture holds the engine's own ids: the same prompt, conditioned on as sent
+    direct = make_proxy([relay.engine_url])
+    path = "/v1/messages" if api == "messages" else "/chat/completions"
+    url = (direct.anthropic_base("p2") if api == "messages" else direct.openai_base("p2")) + path
+    r = httpx.post(url, json={"model": "tiny", "max_tokens": 4, "temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    (rec,) = direct.records()
+    assert rec.header["token_source"] == "upstream"
+    assert json.loads(rec.response)["prompt_token_ids"] == engine_prompt
