@@ -774,3 +774,39 @@ def test_a_slow_uid_release_is_off_the_rollouts_path_and_done_before_the_batch_r
     held = [UidPool(BASE + 200, 4, tmp_path / "locks").lease(wait_s=0) for _ in range(4)]  # all given back already
     for h in held:
         h.release()
+
+
+@pytest.mark.docker
+def test_a_killed_runners_docker_container_is_stopped_before_its_uid_is_handed_out_again(tmp_path: Path) -> None:
+    """Containers outlive the runner that started them (the engine is their parent): a uid whose holder died
+    is handed out again only after the container's processes, seen in the host's /proc, are killed."""
+    import docker
+
+    from clawpipe.sandbox.backends.docker import ensure_image
+
+    uid = BASE + 45
+    client = docker.from_env()
+    locks = tmp_path / "locks"
+    UidPool(uid, 1, locks).lease(wait_s=0).release()  # makes the folder
+    (locks / f"{uid}.lock").write_text("999999\n")  # its holder (a runner) died holding it
+    box = client.containers.run(
+        ensure_image(client),
+        ["/usr/bin/sleep", "600"],
+        detach=True,
+        user=f"{uid}:{uid}",
+        network_mode="none",
+        volumes={"/usr": {"bind": "/usr", "mode": "ro"}},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not processes_of(uid):
+            assert time.monotonic() < deadline, "the container did not start"
+            time.sleep(0.05)
+        lease = UidPool(uid, 1, locks).lease(wait_s=5)
+        assert lease.user.uid == uid and processes_of(uid) == []
+        box.reload()
+        assert box.wait(timeout=30)["StatusCode"] == 128 + signal.SIGKILL  # the container ended, SIGKILLed
+        lease.release()
+    finally:
+        box.remove(force=True)
+        client.close()
