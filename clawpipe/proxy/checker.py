@@ -84,6 +84,11 @@ class BodyChecker:
         self._lock: asyncio.Lock | None = None
         self._reaping: set[asyncio.Task[int]] = set()
 
+    @property
+    def busy(self) -> bool:
+        """Whether the worker holds a body now (or one waits for it)."""
+        return self._lock is not None and self._lock.locked()
+
     def time_limit_s(self, n_bytes: int) -> float:
         """How long the worker may take over a body of `n_bytes` before it is killed and the call gets a 503."""
         return self.base_limit_s + n_bytes / self.limit_bytes_per_s

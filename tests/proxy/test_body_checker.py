@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -126,33 +125,33 @@ def _send_raw(proxy: ProxyHandle, path: str, body: bytes, out: list[bytes]) -> N
 
 @pytest.mark.slow
 def test_a_slow_to_parse_body_does_not_hold_other_calls(proxy: ProxyHandle, upstream: Any) -> None:
-    """While the worker parses a 24 MiB body of empty objects, small calls of another rollout are answered
-    at their usual pace: none waits a third of what that parse takes inline (in this process, on this load).
+    """While the worker parses a 24 MiB body of empty objects (~0.7-1.5 s of parsing), small calls of another
+    rollout go on being answered: several start and finish while the worker holds the big body. Inline, the
+    proxy's loop answered nothing for the whole parse. (Counted, not timed: load slows both sides alike.)
 
     The body ends in one stray byte, so the parser reads all of it before refusing it and the scripted
     upstream, which runs in this process, never parses it (its parse would hold this process's GIL)."""
-    valid = _dense_body(24)
-    t0 = time.process_time()
-    json.loads(valid)
-    parse_s = time.process_time() - t0
-    body = valid + b"x"
+    body = _dense_body(24) + b"x"
+    checker = proxy.server.calls.checker
     base = proxy.openai_base("small")
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=60) as client:
         client.post(f"{base}/chat/completions", json=CHAT).raise_for_status()  # warm: connection, first call
         got: list[bytes] = []
         big_path = proxy.openai_base("big").removeprefix(proxy.url) + "/chat/completions"
         sender = threading.Thread(target=_send_raw, args=(proxy, big_path, body, got))
         sender.start()
-        latencies = []
+        during = after = 0
         while sender.is_alive():
-            t = time.perf_counter()
+            busy_before = checker.busy
             client.post(f"{base}/chat/completions", json=CHAT).raise_for_status()
-            latencies.append(time.perf_counter() - t)
+            if busy_before and checker.busy:
+                during += 1  # started and answered while the worker held the big body
+            else:
+                after += 1
         sender.join()
     assert got and got[0].startswith(b"HTTP/1.1 400"), got[0][:200] if got else "no answer"
     assert b"not valid JSON" in got[0]
-    assert len(latencies) >= 3
-    assert max(latencies) < parse_s / 3, (max(latencies), parse_s)
+    assert during >= 3, (during, after)
     stats = proxy.server.snapshot_stats()
     assert stats["bodies_checked_in_worker"] == 1
     big = [r for r in proxy.records() if r.header["rollout_id"] == "big"]
