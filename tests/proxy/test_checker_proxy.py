@@ -61,7 +61,7 @@ def test_a_client_gone_while_its_body_waits_for_the_worker_is_captured_cancelled
     proxy: ProxyHandle, upstream: Any
 ) -> None:
     """A 24 MiB body holds the worker; meanwhile a client sends a 2 MiB body and leaves. Its call is captured
-    once, and the call after it gets its own answer."""
+    once, never sent to the upstream (nobody waits for the answer), and the call after it gets its own."""
     held = _dense_body(24) + b"x"  # refused only after the whole parse, and never parsed by the upstream
     held_out: list[bytes] = []
     holder = threading.Thread(target=_send_raw, args=(proxy, _path(proxy, "held"), held, held_out))
@@ -88,6 +88,7 @@ def test_a_client_gone_while_its_body_waits_for_the_worker_is_captured_cancelled
     assert sorted(by_rollout) == ["after", "gone", "held"]
     (gone_rec,) = by_rollout["gone"]
     assert gone_rec.header["status"] == "cancelled" and gone_rec.header["model"] == "m-gone-1"
+    assert not any(b"m-gone-1" in r.body for r in upstream.requests)  # not sent on: nobody waits for its answer
     (after_rec,) = by_rollout["after"]
     assert after_rec.header["model"] == "m-after-1" and after_rec.header["status"] == "ok"
 
