@@ -67,7 +67,7 @@ def test_a_stopped_worker_is_killed_at_the_time_limit_and_queued_bodies_are_answ
     got, elapsed, pid = asyncio.run(run())
     assert got[0][:2] == ("refused", 503) and "took over 1 s" in got[0][2] and "send it again" in got[0][2]
     assert got[1:] == [("ok", "second"), ("ok", "third")]
-    assert elapsed < 10
+    assert elapsed < 20  # never the 30 s of a worker nobody stopped
     assert (checker.timeouts, checker.worker_restarts) == (1, 1)
     assert pid is not None and not _alive(pid)
 
