@@ -80,13 +80,14 @@ def test_the_time_limit_grows_with_the_body() -> None:
 
 @pytest.mark.parametrize("wait_s", [0.0, 0.05, 0.2])
 def test_a_call_cancelled_mid_check_does_not_hand_its_answer_to_the_next(wait_s: float) -> None:
-    """A call cancelled while its 6 MiB body is being sent or parsed (its client went away): the next bodies
-    get their own answers, never the cancelled one's."""
+    """A call cancelled while its 24 MiB body is being sent or parsed (its client went away; parsing it takes
+    the worker well over the longest wait here, even on a fast machine): the next bodies get their own
+    answers, never the cancelled one's."""
     checker = BodyChecker(inline_max_bytes=0)
 
     async def run() -> list[tuple[Any, ...]]:
         await checker.check("chat", _chat("warm"), None)
-        gone = asyncio.ensure_future(checker.check("chat", _dense("gone", 6), None))
+        gone = asyncio.ensure_future(checker.check("chat", _dense("gone", 24), None))
         await asyncio.sleep(wait_s)
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
