@@ -44,12 +44,21 @@ def _bodies() -> list[tuple[str, bytes, bytes | None]]:
 
 
 def _outcome(fn: Any) -> tuple[Any, ...]:
+    """What a check answered, comparable between the inline path and the worker."""
     try:
         got = fn()
     except BadRequest as exc:
         return ("refused", exc.status, str(exc))
     changes = None if got.request_changes is None else bytes(got.request_changes)
     return ("ok", got.forwarded, got.stream, got.model, changes)
+
+
+async def _async_outcome(coro: Any) -> tuple[Any, ...]:
+    try:
+        got = await coro
+    except BadRequest as exc:
+        return ("refused", exc.status, str(exc))
+    return _outcome(lambda: got)
 
 
 def test_the_worker_gives_the_inline_answer_for_every_body() -> None:
@@ -67,15 +76,6 @@ def test_the_worker_gives_the_inline_answer_for_every_body() -> None:
     assert worker == inline
     assert checker.offloaded == len(inline)
     assert {o[0] for o in inline} == {"ok", "refused"} and sum(o[0] == "refused" for o in inline) == 9
-
-
-async def _async_outcome(coro: Any) -> tuple[Any, ...]:
-    try:
-        got = await coro
-    except BadRequest as exc:
-        return ("refused", exc.status, str(exc))
-    changes = None if got.request_changes is None else bytes(got.request_changes)
-    return ("ok", got.forwarded, got.stream, got.model, changes)
 
 
 def _dense_body(mib: int) -> bytes:
@@ -109,14 +109,25 @@ def test_a_worker_killed_mid_body_fails_only_that_body_and_the_next_starts_a_fre
     assert checker.worker_restarts == 1
 
 
-def _send_raw(proxy: ProxyHandle, path: str, body: bytes, out: list[bytes]) -> None:
+def _path(proxy: ProxyHandle, rollout: str) -> str:
+    return proxy.openai_base(rollout).removeprefix(proxy.url) + "/chat/completions"
+
+
+def _post(proxy: ProxyHandle, path: str, body: bytes, *, close: bool = True) -> socket.socket:
+    """A connection to the proxy on which one JSON POST of `body` has been sent."""
     host, port = proxy.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=60) as s:
-        head = (
-            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-        ).encode()
-        s.sendall(head + body)
+    s = socket.create_connection((host, int(port)), timeout=60)
+    ending = "connection: close\r\n" if close else ""
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{ending}\r\n"
+    ).encode()
+    s.sendall(head + body)
+    return s
+
+
+def _send_raw(proxy: ProxyHandle, path: str, body: bytes, out: list[bytes]) -> None:
+    with _post(proxy, path, body) as s:
         data = b""
         while chunk := s.recv(1 << 16):
             data += chunk
@@ -137,8 +148,7 @@ def test_a_slow_to_parse_body_does_not_hold_other_calls(proxy: ProxyHandle, upst
     with httpx.Client(timeout=60) as client:
         client.post(f"{base}/chat/completions", json=CHAT).raise_for_status()  # warm: connection, first call
         got: list[bytes] = []
-        big_path = proxy.openai_base("big").removeprefix(proxy.url) + "/chat/completions"
-        sender = threading.Thread(target=_send_raw, args=(proxy, big_path, body, got))
+        sender = threading.Thread(target=_send_raw, args=(proxy, _path(proxy, "big"), body, got))
         sender.start()
         during = after = 0
         while sender.is_alive():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 
 from clawpipe.proxy.body import read_call_body
 from tests.proxy.conftest import ProxyHandle
-from tests.proxy.test_body_checker import _dense_body, _send_raw
+from tests.proxy.test_body_checker import _dense_body, _path, _post, _send_raw
 
 
 def _big_chat(tag: str, mib: int = 2) -> bytes:
@@ -25,10 +24,6 @@ def _big_chat(tag: str, mib: int = 2) -> bytes:
         "stream": int(tag.rsplit("-", 1)[1]) % 2 == 0,
     }
     return json.dumps(body).encode()
-
-
-def _path(proxy: ProxyHandle, rollout: str) -> str:
-    return proxy.openai_base(rollout).removeprefix(proxy.url) + "/chat/completions"
 
 
 @pytest.mark.slow
@@ -68,13 +63,8 @@ def test_a_client_gone_while_its_body_waits_for_the_worker_is_captured_cancelled
     holder.start()
     time.sleep(0.3)
     gone = _big_chat("gone-1")
-    host, port = proxy.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        head = (
-            f"POST {_path(proxy, 'gone')} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(gone)}\r\n\r\n"
-        ).encode()
-        s.sendall(head + gone)
+    with _post(proxy, _path(proxy, "gone"), gone, close=False):
+        pass  # the client leaves once its body is sent
     holder.join()
     after: list[bytes] = []
     _send_raw(proxy, _path(proxy, "after"), _big_chat("after-1"), after)
