@@ -203,7 +203,9 @@ def test_generated_tool_call_json_nested_past_the_parser_stays_text(nesting_serv
     streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     assert streamed == choice["message"]["content"] and events[-1]["choices"][0]["finish_reason"] == "length"
     anthropic_tools = [{"name": "f", "input_schema": {"type": "object"}}]
-    r = post(nesting_server, "messages", {"messages": NEST, "tools": anthropic_tools, "max_tokens": 1200})
+    r = post(
+        nesting_server, "messages", {"messages": NEST, "tools": anthropic_tools, "max_tokens": 1200, "temperature": 0}
+    )
     assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
 
 
