@@ -2,7 +2,8 @@
 
 Request heads: CRLF line endings only, no control characters but HTAB, field names are tokens (no space
 before the colon, no obsolete line folding), one body length: ``Content-Length`` (duplicates must agree) or
-``Transfer-Encoding`` ending in ``chunked``, never both. Anything else is answered with an error and the
+``Transfer-Encoding`` ending in ``chunked``, never both; ``Authorization`` and ``x-api-key`` (the rollout key)
+at most once each, or repeated with the same value. Anything else is answered with an error and the
 connection closed, so bytes after an ambiguous request are never parsed as another request (smuggling).
 :func:`check_response_head` applies the same rules to an upstream's response heads.
 
@@ -25,6 +26,9 @@ _BAD_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
 _HEAD_OK = bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)])
 _TOKEN_OK = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
+# Fields that name a request's rollout: two of one name with different values would attribute the call to
+# whichever came last, so they are refused instead (the same value repeated names one rollout).
+_KEY_FIELDS = frozenset((b"authorization", b"x-api-key"))
 
 
 @dataclass(slots=True)
@@ -70,6 +74,10 @@ def _fields(
         lname = name.lower()
         value = value.strip(b" \t")
         if len(lname) not in (14, 17):  # neither content-length nor transfer-encoding
+            if lname in _KEY_FIELDS and headers.get(lname, value) != value:
+                raise BadRequest(
+                    400, f"more than one {lname.decode()} header, with different values: send one key per request"
+                )
             headers[lname] = value
             if ordered is not None:
                 ordered.append((lname, value))
