@@ -45,6 +45,7 @@ from clawpipe.tasks.base import (
     read_transcript,
     read_workdir_file,
     validate_task,
+    write_workdir_file,
 )
 from clawpipe.tasks.check import CheckProgram, CheckRun, SandboxedTaskSet, needs_sandbox
 
@@ -65,6 +66,7 @@ __all__ = [
     "read_workdir_file",
     "register_task_set",
     "validate_task",
+    "write_workdir_file",
 ]
 
 

@@ -9,6 +9,7 @@ follows a symbolic link (at any path component), never blocks on a FIFO and neve
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -183,6 +184,40 @@ def read_workdir_file(workdir: Path, rel: str | Path, max_bytes: int) -> bytes:
         raise WorkdirFileError(f"cannot read {rel}: {exc.strerror}") from exc
     finally:
         os.close(fd)
+
+
+def write_workdir_file(workdir: Path, rel: str, text: str) -> None:
+    """Create ``rel`` inside ``workdir`` holding ``text``: a task set's starting file, named by task data.
+
+    The runner prepares work dirs as root, so a name from a task file never decides where on the host a
+    file lands: ``rel`` must be a plain relative path (no absolute path, no ``.`` or ``..`` step, no NUL),
+    each step is opened without following a symbolic link, and the file must not exist yet. Raises
+    ManifestError naming the bad entry.
+    """
+    if not isinstance(rel, str) or not isinstance(text, str):
+        raise ManifestError(f"a starting file needs a name and a text (strings), got {rel!r}: {type(text).__name__}")
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+        raise ManifestError(
+            f"starting file {rel[:200]!r} is not a plain relative path inside the work dir (no leading '/', "
+            "no '.' or '..' step, no empty step): fix the task's file names"
+        )
+    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=fd)
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(parts[-1], flags, 0o644, dir_fd=fd)
+    except OSError as exc:
+        raise ManifestError(f"cannot create starting file {rel[:200]!r} in the work dir: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    with os.fdopen(out, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def read_transcript(workdir: Path) -> tuple[dict[str, Any] | None, str | None]:

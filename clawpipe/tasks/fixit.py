@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.errors import ConfigError, ManifestError
-from clawpipe.tasks.base import sample_keys
+from clawpipe.tasks.base import sample_keys, write_workdir_file
 from clawpipe.tasks.check import CheckProgram, CheckRun
 from clawpipe.tasks.values import same_value
 
@@ -267,12 +267,15 @@ class FixitTaskSet:
         return tasks
 
     def prepare(self, task: dict[str, Any], workdir: Path) -> None:
-        """Write the buggy solution.py and check.py into ``workdir``."""
-        data = task["data"]
-        workdir = Path(workdir)
-        for name, text in data["files"].items():
-            (workdir / name).write_text(text)
-        (workdir / CHECK).write_text(render_check(data["function"], data["cases"]))
+        """Write the buggy solution.py and check.py into ``workdir``; ManifestError for unusable task data
+        (a file name leaving the work dir among them: the runner prepares work dirs as root)."""
+        function, _ = _cases_of(task)
+        files = task["data"].get("files")
+        if not isinstance(files, dict) or CHECK in files:
+            raise ManifestError(f"fixit task needs data.files, an object of file name -> text (without {CHECK})")
+        for name, text in files.items():
+            write_workdir_file(Path(workdir), name, text)
+        write_workdir_file(Path(workdir), CHECK, render_check(function, task["data"]["cases"]))
 
     def check_program(self, task: dict[str, Any]) -> CheckProgram:
         """The sandboxed check: solution.py copied in, the function called on each case's arguments."""
