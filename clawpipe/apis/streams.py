@@ -141,7 +141,11 @@ def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
             elif dt == "thinking_delta":
                 block["thinking"] = block.get("thinking", "") + d.get("thinking", "")
             elif dt == "signature_delta":
-                block["signature"] = d.get("signature")
+                # one delta in practice; joined all the same, as the text deltas are
+                block["signature"] = (block.get("signature") or "") + (d.get("signature") or "")
+            elif dt == "citations_delta":
+                # a text block's citations arrive one per delta; the block starts with none (or null)
+                block["citations"] = [*(block.get("citations") or ()), d.get("citation")]
         elif t == "message_delta":
             d = ev.get("delta") or {}
             for key in ("stop_reason", "stop_sequence"):
@@ -157,7 +161,8 @@ def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
             msg["error"] = ev.get("error")
     for idx in sorted(blocks):
         block = blocks[idx]
-        if block.get("type") == "tool_use" and parts.get(idx):
+        # tool_use, server_tool_use (a search the server runs), mcp_tool_use: each streams its input as JSON
+        if parts.get(idx) and ("input" in block or str(block.get("type")).endswith("tool_use")):
             text = "".join(parts[idx])
             try:
                 block["input"] = orjson.loads(text) if text else {}

@@ -150,9 +150,11 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
 
 
 def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
-    if obj.get("type") == "error" or ("error" in obj and "content" not in obj):
+    failed = obj.get("type") == "error" or "error" in obj
+    if failed:
         parsed.error = _error_text(obj.get("error"))
-        return
+        if "content" not in obj:  # an error body; a stream cut by an error event keeps what arrived before it
+            return
     _read_top_fields(obj, parsed)
     _usage_anthropic(parsed, obj.get("usage"))
     tools = [
@@ -166,7 +168,7 @@ def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
     ]
     stop = obj.get("stop_reason")
     finish = _MESSAGES_STOP.get(stop, stop) if isinstance(stop, str) else None
-    parsed.choices = [_only_choice(obj, finish, tools)]
+    parsed.choices = [_only_choice(obj, "error" if failed else finish, tools)]
 
 
 # --------------------------------------------------------------------------------------------------
