@@ -43,6 +43,7 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
             if st is None:
                 st = states[idx] = {
                     "text": [],
+                    "refusal": [],
                     "role": None,
                     "tools": {},
                     "ids": None,
@@ -58,6 +59,8 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
                     st["role"] = delta["role"]
                 if delta.get("content"):
                     st["text"].append(delta["content"])
+                if delta.get("refusal"):  # a refusal streams in its own deltas, never in content
+                    st["refusal"].append(delta["refusal"])
                 for tc in delta.get("tool_calls") or ():
                     t = st["tools"].setdefault(tc.get("index", 0), {"id": None, "type": "function", "n": [], "a": []})
                     if tc.get("id"):
@@ -91,6 +94,8 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
         choice: dict[str, Any] = {"index": idx}
         if api == "chat":
             msg: dict[str, Any] = {"role": st["role"] or "assistant", "content": "".join(st["text"]) or None}
+            if st["refusal"]:
+                msg["refusal"] = "".join(st["refusal"])
             if st["tools"]:
                 msg["tool_calls"] = [
                     {
