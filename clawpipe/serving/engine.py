@@ -11,7 +11,9 @@ prompt. Prefilled caches are left-padded into the running batch, then one decode
 position_ids = number of real tokens so far and a 2D mask over the padding. Sampling uses softmax(raw_logits / T)
 with top-p, one RNG per choice (seeded from the request's seed + choice index); the reported logprob is
 log_softmax(raw_logits / T)[sampled] (T = 0: argmax, scored under T = 1). A row stops at EOS (included in its
-ids), a stop string, or max_tokens, and nothing after that is computed for it.
+ids), a stop string, or max_tokens, and nothing after that is computed for it. Ids go out with their text only:
+an id whose text may still be the start of a stop string waits, and the ids whose text reaches into a stop
+string are left out, so every response's ids and logprobs decode to exactly its text.
 
 The parts: params.py (requests, their checks and events), prefill.py (prompts -> KV, chunked), kv.py (the
 batch's KV buffers and padding mask), hf_cache.py (the only code touching transformers' cache classes),
@@ -26,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import random
 import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +76,10 @@ class _Row:
     n_generated: int = 0
     last_token: int = -1
     finish: str | None = None
+    # sampled (id, logprob, top) not yet handed out: their text may still turn out to be part of a stop string
+    pending: collections.deque[tuple[int, float, list[tuple[int, float]] | None]] = field(
+        default_factory=collections.deque
+    )
 
 
 class Engine:
@@ -389,27 +396,49 @@ class Engine:
             [r.rng.random() for r in rows],
             [p.top_logprobs for p in params],
         )
-        events: dict[int, tuple[Request, list[TokenEvent]]] = {}
+        events: dict[int, tuple[Request, list[list[TokenEvent]]]] = {}
         for row, tid, lp, top in zip(rows, got.ids, got.logprobs, got.tops, strict=True):
             row.last_token = tid
             row.n_generated += 1
             self.stats["tokens"] += 1
             row.detok.add(tid)
+            row.pending.append((tid, lp, top))
             if (tid in self.stop_ids and not row.request.params.ignore_eos) or row.detok.stopped_on is not None:
                 row.finish = "stop"
             elif row.n_generated >= row.request.params.max_tokens:
                 row.finish = "length"
-            text = row.detok.take(final=row.finish is not None)
-            ev = TokenEvent(row.index, tid, lp, text, row.finish, row.detok.stopped_on, top)
-            events.setdefault(id(row.request), (row.request, []))[1].append(ev)
-        for req, evs in events.values():
-            req.finished += sum(1 for ev in evs if ev.finish_reason is not None)
+            events.setdefault(id(row.request), (row.request, []))[1].append(self._events(row))
+        for req, per_row in events.values():
+            # round k holds each row's k-th event: a chunk never carries two deltas of one choice
+            rounds = [[ev for ev in evs if ev is not None] for evs in itertools.zip_longest(*per_row)]
+            req.finished += sum(1 for evs in per_row for ev in evs if ev.finish_reason is not None)
             if req.params.stream:
-                self._post(req, evs)
+                for evs in rounds:
+                    self._post(req, evs)
             else:  # one wake-up per request instead of one per token: the consumer only needs the result
-                req.held.extend(evs)
+                req.held.extend(ev for evs in rounds for ev in evs)
                 if req.finished == req.params.n:
                     self._post(req, req.held)
+
+    @staticmethod
+    def _events(row: _Row) -> list[TokenEvent]:
+        """The row's events for this step: one per sampled id whose text is now settled (the text rides on the
+        last), and its end. Ids held back while their text may still be part of a stop string go out later,
+        or, when the stop string does appear, never: the response's ids and logprobs decode to its text."""
+        row.detok.take(final=row.finish is not None)  # what it may show; `release` rounds that to whole ids
+        count, piece = row.detok.release()
+        out = []
+        for k in range(count):
+            tid, lp, top = row.pending.popleft()
+            last = k == count - 1
+            out.append(TokenEvent(row.index, tid, lp, piece if last else "", None, None, top))
+        if row.finish is not None:
+            row.pending.clear()  # sampled into a stop string: not part of the answer
+            if out:
+                out[-1].finish_reason, out[-1].stopped_on = row.finish, row.detok.stopped_on
+            else:
+                out.append(TokenEvent(row.index, None, None, piece, row.finish, row.detok.stopped_on))
+        return out
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if r.finish is None and not r.request.cancelled]

@@ -4,6 +4,7 @@ and parsing ``<tool_call>{...}</tool_call>`` spans out of generated text. No tor
 
 from __future__ import annotations
 
+import bisect
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -97,10 +98,19 @@ class Detokenizer:
     stopped_on: str | None = None
     _prefix: int = 0  # ids[_prefix:_read] decode to the end of `text`
     _read: int = 0
+    # where each added id's text ends in `text` (hidden ids too, as empty text), once decoded; ids still
+    # undecoded (an incomplete character, a lazy decode) have no entry yet
+    _ends: list[int] = field(default_factory=list)
+    _added: int = 0
+    _released: int = 0  # ids handed out by `release`
+    _given: int = 0  # characters handed out by `release`
 
     def add(self, token_id: int) -> None:
         """Append one id; sets `stopped_on` when a stop string appears (text is cut before it)."""
+        self._added += 1
         if token_id in self.hidden_ids:
+            if len(self._ends) == self._added - 1:  # nothing undecoded before it: it ends where the text does
+                self._ends.append(len(self.text))
             return
         self.ids.append(token_id)
         if not self.lazy:
@@ -118,6 +128,7 @@ class Detokenizer:
             return  # an incomplete character: wait for the next id
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
+        self._settle()
         for s in self.stop:
             pos = self.text.find(s, max(0, self.emitted - len(s)))
             if pos >= 0:
@@ -132,6 +143,8 @@ class Detokenizer:
                 self.text = self._decode(self.ids)
             else:
                 self._advance(final=True)
+            if self.stopped_on is None:
+                self._settle()
         end = len(self.text)
         if not final:
             while end > self.emitted and self.text[end - 1] == "\ufffd":
@@ -141,6 +154,24 @@ class Detokenizer:
         piece = self.text[self.emitted : end]
         self.emitted = end
         return piece
+
+    def _settle(self) -> None:
+        """Every id added so far without an end ends where the text now does."""
+        self._ends.extend([len(self.text)] * (self._added - len(self._ends)))
+
+    def release(self) -> tuple[int, str]:
+        """(how many more ids, their text) that can be handed out with the text `take` has handed out so far:
+        whole ids only, so the ids and logprobs a response reports always decode to exactly its text. After a
+        stop string, the ids whose text reaches into it are never released (the text then ends before the
+        stop string, at the end of the last whole id before it)."""
+        limit = min(self.emitted, len(self.text))
+        n = bisect.bisect_right(self._ends, limit, lo=self._released)
+        if n == self._released:
+            return 0, ""
+        end = self._ends[n - 1]
+        count, piece = n - self._released, self.text[self._given : end]
+        self._released, self._given = n, end
+        return count, piece
 
 
 MAX_ARGS_DEPTH = 64  # nesting of a generated call's arguments; deeper ones stay text
