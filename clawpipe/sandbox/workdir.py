@@ -36,14 +36,22 @@ def scrub_workdir(workdir: Path) -> list[str]:
 
 
 def scrub_report(removed: list[str]) -> dict[str, object]:
-    """What reward_info says of the scrubbed paths: the first SHOWN_SCRUBBED, each cut to SHOWN_PATH_CHARS
-    (middle elided), and their number when that is more; a harness cannot bloat its result row with them."""
+    """What reward_info says of the scrubbed paths: the first SHOWN_SCRUBBED as UTF-8 text (:func:`shown_name`),
+    each cut to SHOWN_PATH_CHARS (middle elided), and their number when that is more; a harness cannot bloat
+    its result row with them."""
     half = SHOWN_PATH_CHARS // 2
-    shown = [p if len(p) <= SHOWN_PATH_CHARS else f"{p[:half]}...{p[-half:]}" for p in removed[:SHOWN_SCRUBBED]]
+    names = [shown_name(p) for p in removed[:SHOWN_SCRUBBED]]
+    shown = [p if len(p) <= SHOWN_PATH_CHARS else f"{p[:half]}...{p[-half:]}" for p in names]
     report: dict[str, object] = {"scrubbed": shown}
     if len(removed) > SHOWN_SCRUBBED:
         report["scrubbed_count"] = len(removed)
     return report
+
+
+def shown_name(path: str) -> str:
+    """``path`` as text that is valid UTF-8: bytes of a file name that are not UTF-8 (which Python holds as
+    lone surrogates, which no UTF-8 writer of the lake accepts) are written as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def link_leaves(entry: Entry, root: Path) -> bool:
