@@ -1,8 +1,11 @@
 """What a rollout is to the runner: the spec it runs, the result row it writes, and how a process tree's
-end becomes a rollout status (clawpipe/sandbox/runner.py runs them)."""
+end becomes a rollout status, and how a verifier's reward and info are checked before they go into the row
+(clawpipe/sandbox/runner.py runs them)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -11,6 +14,7 @@ from typing import Any, Protocol
 
 from clawpipe.sandbox.backends.base import Outcome
 from clawpipe.sandbox.manifest import HarnessManifest
+from clawpipe.sandbox.workdir import shown_name
 from clawpipe.schemas import RolloutStatus
 
 
@@ -118,3 +122,30 @@ def masked_groups(results: Iterable[RolloutResult | Mapping[str, Any]]) -> set[t
         if row["status"] == RolloutStatus.infra_error:
             out.add((row["run_id"], int(row["iteration"]), row["group_id"]))
     return out
+
+
+def checked_reward(reward: Any) -> float:
+    """A verifier's reward as a float; ValueError naming it when it is not a finite number in [0, 1].
+
+    A bool or a string is refused rather than converted: ``True`` or ``"1"`` would otherwise become 1.0.
+    """
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise ValueError(f"reward {reward!r} is a {type(reward).__name__}, not a number in [0, 1]")
+    value = float(reward)
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise ValueError(f"reward {reward!r} outside [0, 1]")
+    return value
+
+
+def plain_info(value: Any) -> Any:
+    """``value`` (reward info) with what plain UTF-8 JSON cannot hold made text: NaN and infinities become
+    "nan"/"inf"/"-inf", lone surrogates (bytes of a file name that are not UTF-8) ``\\xNN``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return shown_name(value)
+    if isinstance(value, dict):
+        return {plain_info(k) if isinstance(k, str) else k: plain_info(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain_info(v) for v in value]
+    return value

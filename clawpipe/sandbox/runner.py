@@ -47,8 +47,10 @@ from clawpipe.sandbox.rollout import (
     RolloutResult,
     RolloutSpec,
     TaskSetLike,
+    checked_reward,
     classify,
     now_iso,
+    plain_info,
 )
 from clawpipe.sandbox.uids import SHARED_USER, SandboxUser, UidLease, UidPool, default_pool
 from clawpipe.sandbox.verify import preflight, verify_rollout
@@ -241,13 +243,11 @@ class _Batch:
             reward, info = verify_rollout(
                 self.task_set(spec.task["task_set"]), spec.task, work, self.backend, uids=self.uids
             )
-            reward = float(reward)
-            if not 0.0 <= reward <= 1.0:
-                raise ValueError(f"reward {reward} outside [0, 1]")
+            reward = checked_reward(reward)
             if removed:
                 info = {**info, **scrub_report(removed)}
             result.reward = reward
-            result.reward_info = json.dumps(info, default=str)
+            result.reward_info = json.dumps(plain_info(info), default=str, allow_nan=False)
         except Exception as exc:
             logger.exception("rollout=%s verifier failed", spec.id)
             result.status = RolloutStatus.infra_error

@@ -51,7 +51,11 @@ def scrub_report(removed: list[str]) -> dict[str, object]:
 def shown_name(path: str) -> str:
     """``path`` as text that is valid UTF-8: bytes of a file name that are not UTF-8 (which Python holds as
     lone surrogates, which no UTF-8 writer of the lake accepts) are written as ``\\xNN``."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+    try:
+        raw = os.fsencode(path)
+    except UnicodeEncodeError:  # a surrogate no file name decodes to (e.g. from a JSON "\\ud800" escape)
+        raw = path.encode("utf-8", "surrogatepass")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def link_leaves(entry: Entry, root: Path) -> bool:
