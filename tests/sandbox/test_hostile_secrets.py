@@ -161,3 +161,64 @@ def test_no_secret_of_the_host_and_no_other_address_reaches_a_sandbox(
     for name, outcome in seek["connects"].items():
         assert outcome != "ok", (name, outcome)
     assert seek["dns"] == "gaierror"
+
+
+KNOCKER = r"""
+import json, os, pathlib, urllib.error, urllib.request
+port = os.environ["OPENAI_BASE_URL"].split("/")[2]
+own = os.environ["OPENAI_API_KEY"]
+codes = {}
+
+def call(name, method, path, auth=None, body=b"{}"):
+    headers = {"content-type": "application/json"}
+    if auth:
+        headers["authorization"] = auth
+    req = urllib.request.Request(f"http://{port}{path}", data=body if method == "POST" else None,
+                                 headers=headers, method=method)
+    try:
+        codes[name] = urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        codes[name] = exc.code
+
+chat = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+call("stats", "GET", "/admin/stats")
+call("stats_own_key", "GET", "/admin/stats", "Bearer " + own)
+call("pause_own_key", "POST", "/admin/pause", "Bearer " + own, b'{"wait_s": 0}')
+call("pause_keyed_path", "POST", f"/r/{own}/admin/pause", "Bearer " + own, b'{"wait_s": 0}')
+call("version", "POST", "/admin/policy_version", "Bearer " + own, b'{"policy_version": 99}')
+call("unkeyed_chat", "POST", "/v1/chat/completions", None, chat)
+call("made_up_key_chat", "POST", "/v1/chat/completions", "Bearer cp1.AAAA.BBBB", chat)
+call("own_key_header_chat", "POST", "/v1/chat/completions", "Bearer " + own, chat)
+call("own_chat", "POST", f"/r/{own}/v1/chat/completions", "Bearer " + own, chat)
+pathlib.Path(os.environ["CLAWPIPE_OUTPUT"], "codes.json").write_text(json.dumps(codes))
+"""
+
+
+@pytest.mark.sandbox
+def test_the_proxys_admin_endpoints_refuse_a_sandbox(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
+    from clawpipe.proxy import ProxyServer
+
+    admin_token = os.urandom(16).hex()
+    proxy = ProxyServer(
+        upstreams=[upstream.url], capture_dir=tmp_path / "captures", secret=b"k", admin_token=admin_token, fsync=False
+    )
+    url = proxy.start()
+    try:
+        m = load_manifest(make_harness(tmp_path, "knocker", KNOCKER))
+        res = run_rollouts(
+            [RolloutSpec(run_id="r", iteration=0, harness=m, task=echo.generate(1)[0], model="m")],
+            proxy_url=url,
+            backend="bwrap",
+            results_path=tmp_path / "results.jsonl",
+            secret=b"k",
+            scratch_dir=tmp_path / "scratch",
+            task_sets={"echo": echo},
+            keep_workdirs=True,
+        )
+        assert (proxy.paused, proxy.policy_version) == (False, 0)
+    finally:
+        proxy.stop()
+    codes = json.loads((Path(res[0].workdir or "") / "out" / "codes.json").read_text())
+    assert (codes.pop("own_chat"), codes.pop("own_key_header_chat")) == (200, 200)  # its own key, either place
+    for name, code in codes.items():
+        assert code in (401, 404), (name, code)
