@@ -358,9 +358,21 @@ def load_task_file(path: str | Path) -> list[dict[str, Any]]:
     """Task instances from a JSON file (one object or a list) or a JSONL file; every one validated."""
     p = Path(path)
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as exc:
         raise ManifestError(f"{p}: cannot read task file: {exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ManifestError(f"{p}:{line}: not UTF-8 (byte {exc.start}); task files are UTF-8 JSON") from exc
+    try:
+        return _task_instances(p, text)
+    except RecursionError as exc:
+        raise ManifestError(f"{p}: JSON nested too deep for a task file") from exc
+
+
+def _task_instances(p: Path, text: str) -> list[dict[str, Any]]:
     tasks: list[Any]
     stripped = text.lstrip()
     if stripped.startswith("["):

@@ -29,6 +29,7 @@ MAX_TRANSCRIPT_BYTES = 4 * 1024 * 1024
 MAX_TRANSCRIPT_DEPTH = 64
 EVAL_SHARE = 5  # one instance key in EVAL_SHARE goes to the eval split
 TASK_KEYS: dict[str, type] = {"task_set": str, "task_id": str, "prompt": str, "data": dict, "max_turns": int}
+MAX_TASK_ID_CHARS = 200
 HIDDEN = "hidden"  # task["data"]["hidden"]: for the verifier alone, never written where a harness can read it
 
 
@@ -85,16 +86,21 @@ def validate_task(task: Any, where: str = "task") -> dict[str, Any]:
         value = task[key]
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ManifestError(f"{where}: `{key}` must be {kind.__name__}, got {type(value).__name__}")
-    if not task["task_id"] or "/" in task["task_id"]:
-        raise ManifestError(f"{where}: `task_id` must be non-empty without '/', got {task['task_id']!r}")
+    task_id = task["task_id"]
+    # It names the rollout's folder and its log lines: no '/', no control character (NUL, newline), short.
+    if not task_id or "/" in task_id or len(task_id) > MAX_TASK_ID_CHARS or not task_id.isprintable():
+        raise ManifestError(
+            f"{where}: `task_id` must be 1 to {MAX_TASK_ID_CHARS} printable characters without '/', "
+            f"got {task_id[:MAX_TASK_ID_CHARS]!r}"
+        )
     if task["max_turns"] < 1:
         raise ManifestError(f"{where}: `max_turns` must be >= 1, got {task['max_turns']}")
     if "sampling" in task and not isinstance(task["sampling"], dict):
         raise ManifestError(f'{where}: `sampling` must be an object such as {{"temperature": 0}}')
     try:
         json.dumps(task, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ManifestError(f"{where}: not plain JSON (no NaN, no objects): {exc}") from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"{where}: not plain JSON (no NaN, no objects, not nested too deep): {exc}") from exc
     return task
 
 

@@ -127,3 +127,41 @@ def test_the_runner_rejects_that_rollout_alone_and_writes_nothing_on_the_host(tm
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert sorted(row["rollout_id"] for row in rows) == ["absolute", "good", "relative"]
     assert not any(marker in name for _, _, names in os.walk(tmp_path) for name in names)
+
+
+def _line(**fields: Any) -> str:
+    task = {"task_set": "guess", "task_id": "t1", "prompt": "p", "data": {}, "max_turns": 1, **fields}
+    return json.dumps(task)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (_line().encode()[:-3] + b'\xff"}\n', r"tasks.jsonl:1: not UTF-8"),
+        (("\n" + _line()).encode() + b"\n\xc3\x28\n", r"tasks.jsonl:3: not UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+        (_line(task_id="a\0b").encode(), "printable characters"),
+        (_line(task_id="two\nlines").encode(), "printable characters"),
+        (_line(task_id="x" * 201).encode(), "1 to 200 printable characters"),
+    ],
+)
+def test_a_task_file_that_is_not_utf8_too_deep_or_badly_named_is_a_clear_error(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
+    from clawpipe.sandbox import load_task_file
+
+    p = tmp_path / "tasks.jsonl"
+    p.write_bytes(content)
+    with pytest.raises(ManifestError, match=message):
+        load_task_file(p)
+
+
+def test_a_task_nested_too_deep_is_refused_by_the_task_check() -> None:
+    from clawpipe.tasks import validate_task
+
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    task = {"task_set": "guess", "task_id": "t", "prompt": "p", "data": {"x": deep}, "max_turns": 1}
+    with pytest.raises(ManifestError, match="nested too deep"):
+        validate_task(task)
