@@ -93,6 +93,24 @@ def _re_encodes(seqs: TreeSequences, g: int, e: int, d: int) -> bool:
     return bool(np.isin(old, window).mean() >= 0.5)
 
 
+def _carries_on_edited(ctx: LabelContext, p: int, e: int, d: int) -> bool:
+    """Whether sequence e, leaving its parent node p at depth d, carries on the lineage of the call ranked just
+    before it with the history in front edited: the previous sequence passes through p and e holds its whole
+    generated completion after d. A system prompt stamped with the time of each turn diverges near the start
+    this way; a sub-agent's own prompt does not replay its parent's last answer."""
+    if e == 0:
+        return False
+    seqs, j = ctx.seqs, e - 1
+    if not seqs.glen[j] or (p >= 0 and not p <= ctx.end_node[j] < p + ctx.size[p]):
+        return False
+    done = seqs.keys[j][seqs.plen[j] * 4 : (seqs.plen[j] + seqs.glen[j]) * 4]
+    new = seqs.keys[e]
+    at = new.find(done, d * 4)
+    while at >= 0 and at % 4:  # ids are 4 bytes: a match must start on an id
+        at = new.find(done, at + 1)
+    return at >= 0
+
+
 def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Label each node that starts a branch (every child but the earliest of a parent) with its cause.
 
@@ -105,8 +123,10 @@ def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
       reasoning, compaction right after a prompt);
     - both context: ``subagent`` when the old lineage goes on after X's first call (interleaved lineages)
       or both continue a call that ended at the parent (a fork), or the divergence lies near the start (in
-      the first half of the first prompt through the parent: another system prompt); else ``rewrite``
-      (compaction, edited history: the divergence is inside earlier context and the old lineage stops).
+      the first half of the first prompt through the parent: another system prompt) unless X's prompt
+      replays the previous call's answer after it (the same lineage with its system prompt edited, e.g. a
+      timestamp); else ``rewrite`` (compaction, edited history: the divergence is inside earlier context
+      and the old lineage stops).
     """
     seqs, par, starts, gens, earliest = ctx.seqs, ctx.par, ctx.starts, ctx.gens, ctx.earliest
     n = len(par)
@@ -157,7 +177,9 @@ def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             near_start = 2 * d < seqs.plen[parent_first]
             fork = p >= 0 and ctx.ends_at[p] > 0  # both continue a finished call: its lineage forked
             # interleaving: a sequence ranked after e still passes through a reference
-            cause[x] = SUBAGENT if near_start or fork or ref_latest > e else REWRITE
+            interleaved = fork or ref_latest > e
+            other_start = near_start and not _carries_on_edited(ctx, p, e, d)
+            cause[x] = SUBAGENT if interleaved or other_start else REWRITE
     return cause, cause_seq, drift_seq
 
 
