@@ -162,3 +162,37 @@ def test_a_chained_turn_whose_named_call_is_not_in_the_lake_starts_from_context_
     assert [nodes[i]["generated"] for i in path] == [False, True]
     assert nodes[path[0]]["token_ids"] == p2 and nodes[path[1]]["call_id"] == "turn2"
     assert locate(nodes, p1 + g1, partial=True) == [path[0]]
+
+
+def test_a_turn_naming_a_response_stored_nowhere_lands_as_its_http_error_and_stays_out_of_the_trees(
+    tmp_path: Path,
+) -> None:
+    _, _, _, _, _, second = _chain()
+    err = {
+        "error": {
+            "message": "Previous response with id 'resp_A' not found.",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": "previous_response_not_found",
+        }
+    }
+    frame = cx.record(
+        "responses",
+        second,
+        json.dumps(err).encode(),
+        stream=False,
+        seq=0,
+        call_id="lost",
+        status="http_error",
+        http_status=400,
+        token_source="none",
+    )
+    lake = cx.land_frames(tmp_path, [frame], [{"rollout_id": "r0", "reward": 0.0}])
+    assert cx.rejects(lake) == []
+    (row,) = cx.calls(lake)
+    assert (row["status"], row["http_status"]) == ("http_error", 400)
+    assert row["error"] == "Previous response with id 'resp_A' not found."
+    assert json.loads(row["request"])["previous_response_id"] == "resp_A"
+    build_iteration(lake, cx.RUN, 0)
+    stats = read_stats(lake, cx.RUN, 0)["rollout:r0"]
+    assert (stats["n_calls"], stats["n_seqs"], stats["kept_out_no_ids"], stats["failed_calls"]) == (1, 0, 1, 1)
