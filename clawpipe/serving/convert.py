@@ -95,6 +95,7 @@ COMMON_TYPES: dict[str, tuple[type, str]] = {
     "metadata": (dict, "an object"),
     "parallel_tool_calls": (bool, "true or false"),
     "ignore_eos": (bool, "true or false"),
+    "skip_special_tokens": (bool, "true or false"),
 }
 
 
@@ -135,7 +136,8 @@ def int_field(body: dict[str, Any], *keys: str) -> int | None:
 def check_unsupported(body: dict[str, Any]) -> None:
     """RequestError for what the engine cannot honour and a client relies on: a logit_bias, or output constrained
     to JSON (response_format, Responses text.format); the engine samples the policy's own distribution, whose
-    logprobs are what the trainer scores. presence and frequency penalties are range-checked, then ignored."""
+    logprobs are what the trainer scores. presence and frequency penalties are range-checked here and applied
+    by the sampler (see `sampling`)."""
     for key in ("presence_penalty", "frequency_penalty"):
         value = _number(body, key, 0.0)
         if not -2 <= value <= 2:
@@ -169,6 +171,7 @@ def sampling(
 ) -> SamplingParams:
     """SamplingParams from common fields (temperature, top_p, seed) and the API-specific ones passed in."""
     check_unsupported(body)
+    top_k = int_field(body, "top_k")
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
@@ -179,6 +182,12 @@ def sampling(
         stream=bool(body.get("stream")),
         top_logprobs=top_logprobs,
         ignore_eos=bool(body.get("ignore_eos")),
+        top_k=0 if top_k is None or top_k == -1 else top_k,  # vLLM's -1 and 0 both mean every token
+        min_p=_number(body, "min_p", 0.0),
+        min_tokens=int_field(body, "min_tokens") or 0,
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
     )
 
 

@@ -35,7 +35,6 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from clawpipe.serving.params import (
 )
 from clawpipe.serving.prefill import Prefilled, Prefiller
 from clawpipe.serving.prefix_cache import PrefixCache
+from clawpipe.serving.rows import Row
 from clawpipe.serving.sampler import sample
 from clawpipe.serving.text import Detokenizer, TokenTable
 
@@ -65,21 +65,6 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # default prompt tokens computed per engine step (attention memory ~ chunk x context)
 MAX_PROMPT_TOKENS = 65536  # default prompt limit (below the model's context when that is smaller)
-
-
-@dataclass
-class _Row:
-    request: Request
-    index: int
-    rng: random.Random
-    detok: Detokenizer
-    n_generated: int = 0
-    last_token: int = -1
-    finish: str | None = None
-    # sampled (id, logprob, top) not yet handed out: their text may still turn out to be part of a stop string
-    pending: collections.deque[tuple[int, float, list[tuple[int, float]] | None]] = field(
-        default_factory=collections.deque
-    )
 
 
 class Engine:
@@ -118,7 +103,7 @@ class Engine:
         self.stop_ids = self._stop_ids()
         self.hidden_ids = set(self.stop_ids)
         self._waiting: collections.deque[Request] = collections.deque()
-        self._rows: list[_Row] = []
+        self._rows: list[Row] = []
         self._kv = BatchKV()  # the rows' KV, in buffers with room for their coming tokens
         self._pending_reload: tuple[Any, int, asyncio.Future[int], asyncio.AbstractEventLoop] | None = None
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
@@ -234,7 +219,7 @@ class Engine:
 
     # ------------------------------------------------------------------ worker thread
 
-    def _footprint(self, rows: list[_Row], extra: Request | None = None) -> int:
+    def _footprint(self, rows: list[Row], extra: Request | None = None) -> int:
         reserves = [r.request.reserve for r in rows]
         n = len(rows)
         if extra is not None:
@@ -327,7 +312,7 @@ class Engine:
         for req in reqs.values():
             self._post(req, err)
 
-    def _new_rows(self, req: Request) -> list[_Row]:
+    def _new_rows(self, req: Request) -> list[Row]:
         req.policy_version = self.policy_version
         self._post(req, ("version", self.policy_version))
         self.stats["requests"] += 1
@@ -336,7 +321,7 @@ class Engine:
             seed = req.params.seed + i if req.params.seed is not None else secrets.randbits(63)
             lazy = not req.params.stream and not req.params.stop
             detok = Detokenizer(self.tokenizer, list(req.params.stop), self.hidden_ids, lazy=lazy)
-            rows.append(_Row(request=req, index=i, rng=random.Random(seed), detok=detok))
+            rows.append(Row(request=req, index=i, rng=random.Random(seed), detok=detok))
         return rows
 
     def _join(self, prefilled: list[Prefilled]) -> None:
@@ -386,7 +371,7 @@ class Engine:
         self._sample(self._rows, out.logits[:, -1, :])
         self._drop_finished()
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Sample one token per row (see clawpipe.serving.sampler); emit events per request."""
         params = [r.request.params for r in rows]
         got = sample(
@@ -395,19 +380,17 @@ class Engine:
             [p.top_p for p in params],
             [r.rng.random() for r in rows],
             [p.top_logprobs for p in params],
+            [r.shaping(self.stop_ids) for r in rows],
         )
         events: dict[int, tuple[Request, list[list[TokenEvent]]]] = {}
         for row, tid, lp, top in zip(rows, got.ids, got.logprobs, got.tops, strict=True):
-            row.last_token = tid
-            row.n_generated += 1
+            row.record(tid, lp, top)
             self.stats["tokens"] += 1
-            row.detok.add(tid)
-            row.pending.append((tid, lp, top))
             if (tid in self.stop_ids and not row.request.params.ignore_eos) or row.detok.stopped_on is not None:
                 row.finish = "stop"
             elif row.n_generated >= row.request.params.max_tokens:
                 row.finish = "length"
-            events.setdefault(id(row.request), (row.request, []))[1].append(self._events(row))
+            events.setdefault(id(row.request), (row.request, []))[1].append(row.events())
         for req, per_row in events.values():
             # round k holds each row's k-th event: a chunk never carries two deltas of one choice
             rounds = [[ev for ev in evs if ev is not None] for evs in itertools.zip_longest(*per_row)]
@@ -419,26 +402,6 @@ class Engine:
                 req.held.extend(ev for evs in rounds for ev in evs)
                 if req.finished == req.params.n:
                     self._post(req, req.held)
-
-    @staticmethod
-    def _events(row: _Row) -> list[TokenEvent]:
-        """The row's events for this step: one per sampled id whose text is now settled (the text rides on the
-        last), and its end. Ids held back while their text may still be part of a stop string go out later,
-        or, when the stop string does appear, never: the response's ids and logprobs decode to its text."""
-        row.detok.take(final=row.finish is not None)  # what it may show; `release` rounds that to whole ids
-        count, piece = row.detok.release()
-        out = []
-        for k in range(count):
-            tid, lp, top = row.pending.popleft()
-            last = k == count - 1
-            out.append(TokenEvent(row.index, tid, lp, piece if last else "", None, None, top))
-        if row.finish is not None:
-            row.pending.clear()  # sampled into a stop string: not part of the answer
-            if out:
-                out[-1].finish_reason, out[-1].stopped_on = row.finish, row.detok.stopped_on
-            else:
-                out.append(TokenEvent(row.index, None, None, piece, row.finish, row.detok.stopped_on))
-        return out
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if r.finish is None and not r.request.cancelled]

@@ -38,6 +38,25 @@ class SamplingParams:
     stream: bool = False  # decode text per token (else once at the end, unless stop strings need it)
     top_logprobs: int = 0  # also report this many most likely tokens per position (with their logprobs)
     ignore_eos: bool = False  # keep generating past EOS until max_tokens or a stop string (vLLM's extra field)
+    # what the sampled distribution may differ by (see clawpipe.serving.sampler.Shaping); neutral by default
+    top_k: int = 0  # 0 (or vLLM's -1): every id
+    min_p: float = 0.0
+    min_tokens: int = 0  # no EOS before this many tokens (stop strings still end a choice)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def shaped(self) -> bool:
+        """Whether anything but temperature and top-p shapes the distribution sampled from."""
+        return bool(
+            self.top_k > 0
+            or self.min_p > 0
+            or self.min_tokens > 0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass
@@ -108,7 +127,8 @@ def check_request(
     if not 1 <= params.n <= 128:
         raise RequestError(f"n must be in [1, 128], got {params.n}")
     if not 0 <= params.top_logprobs <= 20:
-        raise RequestError(f"top_logprobs must be in [0, 20], got {params.top_logprobs}")
+        raise RequestError(f"top_logprobs must be in [0, 20], got {params.top_logprobs}", param="top_logprobs")
+    check_shaping(params)
     if any(not 0 <= t < vocab for t in prompt_ids):
         raise RequestError(f"prompt token ids must be in [0, {vocab})")
 
@@ -129,4 +149,24 @@ def check_text_length(chars: int, longest_piece: int, *, context: int, prompt_li
         raise RequestError(
             f"the prompt has at least {floor} tokens, more than this server's limit of {prompt_limit} prompt "
             "tokens per request; shorten the conversation (the operator sets the limit with --max-prompt-tokens)"
+        )
+
+
+def check_shaping(params: SamplingParams) -> None:
+    """RequestError naming the field when a distribution-shaping value is out of its range (vLLM's ranges)."""
+    if params.top_k < 0:
+        raise RequestError(f"top_k must be -1 or 0 (every token) or >= 1, got {params.top_k}", param="top_k")
+    if not 0 <= params.min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1], got {params.min_p}", param="min_p")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise RequestError(
+            f"min_tokens must be in [0, max_tokens = {params.max_tokens}], got {params.min_tokens}", param="min_tokens"
+        )
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, key)
+        if not -2 <= value <= 2:
+            raise RequestError(f"'{key}' must be in [-2, 2], got {value}", param=key)
+    if not 0 < params.repetition_penalty <= 2:
+        raise RequestError(
+            f"repetition_penalty must be in (0, 2], got {params.repetition_penalty}", param="repetition_penalty"
         )

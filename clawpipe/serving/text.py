@@ -160,15 +160,20 @@ class Detokenizer:
         self._ends.extend([len(self.text)] * (self._added - len(self._ends)))
 
     def release(self) -> tuple[int, str]:
-        """(how many more ids, their text) that can be handed out with the text `take` has handed out so far:
-        whole ids only, so the ids and logprobs a response reports always decode to exactly its text. After a
-        stop string, the ids whose text reaches into it are never released (the text then ends before the
-        stop string, at the end of the last whole id before it)."""
+        """(how many more ids, the text to show with them), by the text `take` has handed out so far. With stop
+        strings, whole ids only: the ids whose text reaches into a stop string are never released, and the text
+        then ends before the stop string, at the end of the last whole id before it, so the ids and logprobs a
+        response reports always decode to exactly its text. Without, every id at once, its text when complete."""
         limit = min(self.emitted, len(self.text))
-        n = bisect.bisect_right(self._ends, limit, lo=self._released)
-        if n == self._released:
+        if not self.stop:
+            # nothing can be cut: every id goes out at once, even before its character is complete (a run of
+            # bytes that never decodes would otherwise hold the ids back to the end)
+            n, end = self._added, limit
+        else:
+            n = bisect.bisect_right(self._ends, limit, lo=self._released)
+            end = self._ends[n - 1] if n > self._released else self._given
+        if n == self._released and end == self._given:
             return 0, ""
-        end = self._ends[n - 1]
         count, piece = n - self._released, self.text[self._given : end]
         self._released, self._given = n, end
         return count, piece
