@@ -30,7 +30,7 @@ def text_of(content: Any, where: str = "content") -> str:
             if isinstance(part, str):
                 out.append(part)
             elif isinstance(part, dict):
-                text = part.get("text")
+                text = part.get("text", part.get("refusal"))  # a Responses refusal part says it in "refusal"
                 if isinstance(text, str):
                     out.append(text)
                 elif part.get("type") in ("tool_result", "tool_use"):
@@ -112,9 +112,12 @@ def chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
             raise RequestShapeError(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got a {type(role).__name__}")
         if role not in CHAT_ROLES:
             raise RequestShapeError(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+        content = m.get("content")
+        if role == "assistant" and content is None and isinstance(m.get("refusal"), str):
+            content = m["refusal"]  # what the model answered when it refused: its turn is that text
         msg: dict[str, Any] = {
             "role": {"developer": "system", "function": "tool"}.get(role, role),
-            "content": text_of(m.get("content"), f"{where}.content"),
+            "content": text_of(content, f"{where}.content"),
         }
         if role == "assistant" and m.get("tool_calls"):
             if not isinstance(m["tool_calls"], list):
@@ -228,13 +231,15 @@ def anthropic_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list
                 if not isinstance(block.get("text"), str):
                     raise RequestShapeError(f"{bw}: a text block needs a string 'text'")
                 texts.append(block["text"])
-            elif kind in ("tool_use", "server_tool_use"):
+            elif kind == "tool_use":
                 if m["role"] != "assistant":
                     raise RequestShapeError(f"{bw}: tool_use blocks belong to assistant messages")
                 calls.append(_tool_call(block.get("name"), block.get("input"), block.get("id"), bw))
             elif kind == "tool_result":
                 results.append(text_of(block.get("content"), f"{bw}.content"))
-            # thinking, redacted_thinking, image, document, ...: ignored
+            # thinking, redacted_thinking, image, document, ...: ignored; so are a server tool's call
+            # (server_tool_use) and its result block, which the API ran itself: as template tool calls they
+            # would take the places of the harness's tool results that follow
         if results:
             for r in results:
                 messages.append({"role": "tool", "content": r})
