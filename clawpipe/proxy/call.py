@@ -10,6 +10,7 @@ import asyncio
 from typing import Protocol
 
 from clawpipe.proxy import wire
+from clawpipe.proxy.coding import codings
 from clawpipe.proxy.upstream import UpstreamConn
 
 
@@ -40,6 +41,7 @@ class Call:
     __slots__ = (
         "chunked",
         "client",
+        "coding",
         "error",
         "fut",
         "held",
@@ -77,6 +79,7 @@ class Call:
         self.streaming = False
         self.status = 0
         self.resp_headers: list[tuple[bytes, bytes]] = []
+        self.coding: list[str] = []  # the answer's content codings, undone before it is captured and sent
         self.outcome = ""  # end | fail | timeout | cancelled | shutdown | too_large
         self.error: str | None = None
         self.up: UpstreamConn | None = None
@@ -89,8 +92,11 @@ class Call:
     # --- Sink ----------------------------------------------------------------------------------------
     def up_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
-        self.resp_headers = [(n, v) for n, v in headers if n not in wire.HOP_BY_HOP]
-        if self.stream and status == 200:
+        self.coding = codings(next((v for n, v in headers if n == b"content-encoding"), None))
+        drop = wire.HOP_BY_HOP | {b"content-encoding"} if self.coding else wire.HOP_BY_HOP
+        self.resp_headers = [(n, v) for n, v in headers if n not in drop]
+        # a coded stream is not relayed as it comes: it is decoded whole (clawpipe.proxy.coding), then sent
+        if self.stream and status == 200 and not self.coding:
             self.streaming = True
             self.client.write(wire.response_head(200, self.resp_headers, length=None if self.chunked else -1))
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from clawpipe.capture import HEADER_FORMAT, CaptureHeader
 from clawpipe.errors import ClawpipeError
 from clawpipe.keys import RolloutKey
-from clawpipe.proxy import respond, wire
+from clawpipe.proxy import coding, respond, wire
 from clawpipe.proxy.call import Call
 from clawpipe.proxy.checker import BodyChecker
 from clawpipe.proxy.config import ProxyConfig
@@ -270,9 +270,15 @@ class CallPath:
         self, conn: ClientConn, req: wire.Request, header: CaptureHeader, api: str, call: Call, anthropic: bool
     ) -> None:
         """Judge the upstream's answer, find the call's token ids, capture it, then release the answer."""
+        body = b"".join(call.parts)
+        if call.coding and call.outcome == "end" and body:  # captured and sent decoded, whatever the client accepts
+            try:
+                body = coding.decode(call.coding, body, call.limit)
+            except ValueError as exc:
+                call.outcome, call.error = "fail", str(exc)
         verdict = judge(
             Outcome(call.outcome, call.status, call.streaming, call.error, header.upstream, call.size),
-            b"".join(call.parts),
+            body,
             anthropic=anthropic,
         )
         response = verdict.response

@@ -35,6 +35,8 @@ class UpstreamClosed(ConnectionError):
     """The upstream closed the connection before the response was complete."""
 
 
+MAX_INTERIM = 16  # interim (1xx) responses taken before the final one
+
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
 
@@ -43,6 +45,7 @@ class UpstreamConn(asyncio.Protocol):
 
     __slots__ = (
         "_buf",
+        "_interim",
         "_keep_alive",
         "_left",
         "_state",
@@ -65,6 +68,7 @@ class UpstreamConn(asyncio.Protocol):
         self._state = _DONE
         self._left = 0
         self._keep_alive = True
+        self._interim = 0  # interim (1xx) heads of the current response
         self.got_bytes = False
         self.last_activity = 0.0
 
@@ -106,26 +110,10 @@ class UpstreamConn(asyncio.Protocol):
             sink.up_body(data)
             return
         if state == _HEAD:
-            end = data.find(b"\r\n\r\n")
-            if end > MAX_HEAD:
-                end = -1  # too large: reported below as if the head had not ended
-            if end < 0:
-                if len(data) > MAX_HEAD:
-                    self.abort()
-                    sink.up_fail(UpstreamClosed("upstream response head too large"), True)
-                else:
-                    self._buf = data
+            rest = self._read_head(sink, data)
+            if rest is None or self.sink is None:  # more to come, failed, or the call was cancelled in up_head
                 return
-            try:
-                status, headers = self._parse_head(data[:end])
-            except ValueError as exc:
-                self.abort()
-                sink.up_fail(UpstreamClosed(f"malformed upstream response head: {exc}"), True)
-                return
-            sink.up_head(status, headers)
-            if self.sink is None:  # the call was cancelled inside up_head
-                return
-            data = data[end + 4 :]
+            data = rest
             if self._state == _DONE:
                 self._finish()
                 return
@@ -159,11 +147,48 @@ class UpstreamConn(asyncio.Protocol):
         self._finish()
 
     # --- framing -----------------------------------------------------------------------------------
+    def _read_head(self, sink: Sink, data: bytes) -> bytes | None:
+        """Take the final response head from ``data``, skipping interim (1xx) ones, and report it to ``sink``;
+        returns the bytes after it, or None when the head is incomplete (kept for the next read) or bad."""
+        while True:
+            end = data.find(b"\r\n\r\n")
+            if end > MAX_HEAD:
+                end = -1  # too large: reported below as if the head had not ended
+            if end < 0:
+                if len(data) > MAX_HEAD:
+                    self.abort()
+                    sink.up_fail(UpstreamClosed("upstream response head too large"), True)
+                else:
+                    self._buf = data
+                return None
+            try:
+                status, headers = self._parse_head(data[:end])
+            except ValueError as exc:
+                self.abort()
+                sink.up_fail(UpstreamClosed(f"malformed upstream response head: {exc}"), True)
+                return None
+            data = data[end + 4 :]
+            if self._state != _HEAD:
+                sink.up_head(status, headers)
+                return data
+            # an interim answer (100 Continue, 103 Early Hints): the final one follows on the same connection
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                self.abort()
+                sink.up_fail(UpstreamClosed(f"upstream sent more than {MAX_INTERIM} interim (1xx) responses"), True)
+                return None
+
     def _parse_head(self, head: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """The status and headers of a response head; sets the body's framing (an interim 1xx head leaves the
+        connection waiting for the next head)."""
         framing = check_response_head(head)  # ValueError: ambiguous or malformed framing -> 502
         status = framing.status
+        if 100 <= status < 200:
+            if status == 101:  # the proxy never asks for an upgrade
+                raise ValueError("101 Switching Protocols to a request that asked for no upgrade")
+            return status, framing.headers
         self._keep_alive = framing.keep_alive
-        if status in (204, 304) or 100 <= status < 200:
+        if status in (204, 304):
             self._state = _DONE
         elif framing.chunked:
             self._state = _CHUNK_SIZE
@@ -262,6 +287,7 @@ class UpstreamConn(asyncio.Protocol):
         self.sink = sink
         self._state = _HEAD
         self._buf = b""
+        self._interim = 0
         self.got_bytes = False
         self.last_activity = self.loop.time()
         assert self.transport is not None
@@ -413,7 +439,7 @@ class Replica:
                 target.encode(),
                 b" HTTP/1.1\r\nhost: ",
                 self.host_header,
-                b"\r\n",
+                b"\r\naccept-encoding: identity\r\n",  # answers the proxy reads: clawpipe.proxy.coding
                 self.auth_header,
                 headers,
                 b"content-length: %d\r\n\r\n" % len(body),
