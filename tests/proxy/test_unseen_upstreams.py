@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.proxy.conftest import ProxyHandle
+from tests.proxy.test_wire import _feed
 
 CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
 STREAM = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
@@ -101,6 +102,18 @@ def test_interim_1xx_answers_are_skipped_and_the_final_answer_served(make_proxy,
     records = proxy.records()
     assert [(rec.header["http_status"], rec.header["status"]) for rec in records] == [(200, "ok")] * 2
     assert all(rec.response == ANSWER for rec in records)
+
+
+def test_interim_answers_are_skipped_under_any_read_split():
+    raw = (
+        b"HTTP/1.1 100 Continue\r\nconnection: close\r\n\r\n"  # an interim head's fields do not frame the answer
+        b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+    )
+    for cuts in [[i] for i in range(len(raw))] + [list(range(len(raw)))]:
+        sink, rep, conn = _feed(raw, cuts)
+        assert (sink.status, sink.body, sink.ends, sink.fails) == (200, b"hello", 1, []), cuts
+        assert rep.idle == [conn]  # a clean keep-alive end: back in the pool
 
 
 @pytest.mark.parametrize(
@@ -226,3 +239,15 @@ def test_an_upstream_closing_without_an_answer_is_a_captured_502(make_proxy, raw
     (rec,) = proxy.records()
     assert rec.header["status"] == "upstream_error" and rec.request == CHAT
     assert len(raw.heads) == 1  # a fresh connection's request is never sent twice
+
+
+def test_a_pooled_connection_closed_without_an_answer_is_retried_once_and_captured_once(make_proxy, raw: RawUpstream):
+    # the close is read as a keep-alive connection the upstream had already dropped: sent again, on a fresh one
+    raw.answers = [_whole(ANSWER), CLOSE, _whole(ANSWER)]
+    proxy = make_proxy([raw.url])
+    assert _post(proxy, rollout="a").status_code == 200
+    r = _post(proxy, rollout="b")
+    assert r.status_code == 200 and r.content == ANSWER
+    assert [rec.header["rollout_id"] for rec in proxy.records()] == ["a", "b"]
+    assert raw.bodies == [CHAT.replace(b"{", b'{"return_token_ids":true,"logprobs":true,', 1)] * 3
+    assert proxy.server.stats["upstream_retries"] == 1
