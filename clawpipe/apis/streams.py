@@ -177,6 +177,48 @@ def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
     return msg
 
 
+def _responses_item(items: dict[int, Any], ev: dict[str, Any]) -> dict[str, Any]:
+    """The item an event of a Responses stream adds to (by ``output_index``), made when no event announced it."""
+    idx = ev.get("output_index", 0)
+    item = items.get(idx)
+    if not isinstance(item, dict):
+        item = items[idx] = {"type": "function_call" if "arguments" in ev.get("type", "") else "message"}
+    return item
+
+
+def _responses_part(item: dict[str, Any], ev: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The content part (by ``content_index``) of a message item that a delta event adds to."""
+    parts = item.setdefault("content", [])
+    i = ev.get("content_index", 0)
+    while len(parts) <= i:
+        parts.append({"type": kind, kind.removeprefix("output_"): ""})
+    return parts[i]
+
+
+def _responses_delta(items: dict[int, Any], ev: dict[str, Any]) -> None:
+    """Apply one delta event to the item it belongs to, so a stream cut before the item's done event keeps
+    what arrived (text, refusal, call arguments, reasoning summary)."""
+    t = ev.get("type", "")
+    delta = ev.get("delta")
+    if not isinstance(delta, str):
+        return
+    item = _responses_item(items, ev)
+    if t == "response.output_text.delta":
+        part = _responses_part(item, ev, "output_text")
+        part["text"] = part.get("text", "") + delta
+    elif t == "response.refusal.delta":
+        part = _responses_part(item, ev, "refusal")
+        part["refusal"] = part.get("refusal", "") + delta
+    elif t == "response.function_call_arguments.delta":
+        item["arguments"] = item.get("arguments", "") + delta
+    elif t == "response.reasoning_summary_text.delta":
+        summary = item.setdefault("summary", [])
+        i = ev.get("summary_index", 0)
+        while len(summary) <= i:
+            summary.append({"type": "summary_text", "text": ""})
+        summary[i]["text"] += delta
+
+
 def reassemble_responses_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
     final: dict[str, Any] | None = None
     created: dict[str, Any] = {}
@@ -188,13 +230,19 @@ def reassemble_responses_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
             final = ev.get("response") or {}
         elif t in ("response.created", "response.in_progress"):
             created.update(ev.get("response") or {})
+        elif t == "response.output_item.added" and isinstance(ev.get("item"), dict):
+            items[ev.get("output_index", len(items))] = dict(ev["item"])
         elif t == "response.output_item.done":
             items[ev.get("output_index", len(items))] = ev.get("item")
+        elif t.endswith(".delta"):
+            _responses_delta(items, ev)
         elif t == "error":
             error = {k: v for k, v in ev.items() if k != "type"}
     if final is not None:
         if "policy_version" not in final and "policy_version" in created:
             final = {**final, "policy_version": created["policy_version"]}
+        if final.get("output") == [] and items:  # a failed response may list none of the items it streamed
+            final = {**final, "output": [items[i] for i in sorted(items)]}
         return final
     # cut short: what arrived, marked incomplete
     out = {**created, "output": [items[i] for i in sorted(items)], "status": "incomplete"}

@@ -196,3 +196,48 @@ def test_a_turn_naming_a_response_stored_nowhere_lands_as_its_http_error_and_sta
     build_iteration(lake, cx.RUN, 0)
     stats = read_stats(lake, cx.RUN, 0)["rollout:r0"]
     assert (stats["n_calls"], stats["n_seqs"], stats["kept_out_no_ids"], stats["failed_calls"]) == (1, 0, 1, 1)
+
+
+def test_a_stream_cut_before_its_items_were_done_keeps_their_text_and_arguments_so_far(tmp_path: Path) -> None:
+    message = {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []}
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_sh", "name": "sh", "arguments": ""}
+    events = [
+        _ev("response.created", response=response("resp_c", "in_progress", [])),
+        _ev("response.output_item.added", output_index=0, item=REASONING),
+        _ev("response.reasoning_summary_text.delta", output_index=0, summary_index=0, delta="Plan: "),
+        _ev("response.reasoning_summary_text.delta", output_index=0, summary_index=0, delta="list."),
+        _ev("response.output_item.added", output_index=1, item=message),
+        _ev("response.output_text.delta", output_index=1, content_index=0, delta="Listing "),
+        _ev("response.output_text.delta", output_index=1, content_index=0, delta="now."),
+        _ev("response.output_item.added", output_index=2, item=call),
+        _ev("response.function_call_arguments.delta", output_index=2, delta='{"cmd": '),
+        _ev("response.function_call_arguments.delta", output_index=2, delta='"ls'),
+    ]
+    frame = cx.record(
+        "responses",
+        FIRST,
+        cx.sse(events),
+        stream=True,
+        seq=0,
+        call_id="cut",
+        status="upstream_error",
+        error="upstream closed the stream",
+    )
+    lake = cx.land_frames(tmp_path, [frame])
+    assert cx.rejects(lake) == []
+    (row,) = cx.calls(lake)
+    assert (row["status"], row["error"]) == ("upstream_error", "upstream closed the stream")
+    out = json.loads(row["response"])["output"]
+    assert out[0]["summary"] == [{"type": "summary_text", "text": "Plan: list."}]
+    assert out[0]["encrypted_content"] == "gAAAA-opaque"
+    assert out[1]["content"] == [{"type": "output_text", "text": "Listing now."}]
+    assert out[2]["arguments"] == '{"cmd": "ls'
+
+
+def test_a_failed_response_listing_no_output_keeps_the_items_it_streamed(tmp_path: Path) -> None:
+    err = {"code": "server_error", "message": "The model crashed."}
+    body = stream("resp_f", "response.failed", response("resp_f", "failed", [], error=err), [REASONING, CALL])
+    lake = cx.land_frames(tmp_path, [cx.record("responses", FIRST, body, stream=True, seq=0, call_id="f")])
+    (row,) = cx.calls(lake)
+    assert (row["status"], row["error"], row["finish_reason"]) == ("upstream_error", "The model crashed.", "error")
+    assert json.loads(row["response"])["output"] == [REASONING, CALL]
