@@ -157,7 +157,9 @@ def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
                 if key in d:
                     msg[key] = d[key]
             if ev.get("usage"):
-                msg["usage"] = {**(msg.get("usage") or {}), **ev["usage"]}
+                # the final counts; a count it leaves null keeps message_start's (input tokens are known there)
+                late = {k: v for k, v in ev["usage"].items() if v is not None}
+                msg["usage"] = {**(msg.get("usage") or {}), **late}
             for key in ("token_ids", "logprobs", "policy_version"):
                 if key in ev:
                     msg[key] = ev[key]

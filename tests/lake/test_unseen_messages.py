@@ -95,7 +95,13 @@ def agent_turn() -> list[dict[str, Any]]:
         {
             "type": "message_delta",
             "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-            "usage": {"output_tokens": 77},
+            # the final counts; what this API version leaves null is known from message_start
+            "usage": {
+                "input_tokens": None,
+                "cache_read_input_tokens": None,
+                "output_tokens": 77,
+                "server_tool_use": {"web_search_requests": 1},
+            },
         },
         {"type": "message_stop"},
     ]
@@ -109,6 +115,7 @@ def test_a_streamed_turn_with_thinking_search_citations_and_two_tools_lands_whol
     assert row["status"] == "ok" and row["error"] is None and row["finish_reason"] == "tool_calls"
     # usage: message_start's input (cache reads included) and message_delta's final output count
     assert row["prompt_tokens"] == 140 and row["completion_tokens"] == 77
+    assert json.loads(row["response"])["usage"]["server_tool_use"] == {"web_search_requests": 1}
     tools = json.loads(row["tool_calls"])
     assert [(t["id"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in tools] == [
         ("toolu_ls", "ls", LS_ARGS),
