@@ -82,6 +82,13 @@ try:
     res["dns"] = "ok"
 except OSError as exc:
     res["dns"] = type(exc).__name__
+fds = {}
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        pass
+res["fds"] = fds
 (out / "seek.json").write_text(json.dumps(res))
 """
 
@@ -161,6 +168,8 @@ def test_no_secret_of_the_host_and_no_other_address_reaches_a_sandbox(
     for name, outcome in seek["connects"].items():
         assert outcome != "ok", (name, outcome)
     assert seek["dns"] == "gaierror"
+    inherited = {fd: target for fd, target in seek["fds"].items() if int(fd) > 2 and "/proc/" not in target}
+    assert inherited == {}, seek["fds"]  # no descriptor of the runner's (pipes, sockets, files) reached it
 
 
 KNOCKER = r"""
