@@ -131,6 +131,25 @@ def within_vocabulary(trees: list[TrainTree], vocab_size: int) -> tuple[list[Tra
     return out, left_out
 
 
+def within_context(trees: list[TrainTree], max_positions: int) -> tuple[list[TrainTree], list[str]]:
+    """The trees without the sequences whose path is longer than the model's positions, each pruned to the
+    sequences kept, and the call ids left out.
+
+    A call served with a longer context than the trained model has (another engine, a rope-scaled window)
+    would put its last tokens at positions the model has no embedding for (an index error) or was never
+    trained at; cutting it would train a completion without its end, so the call is left out alone."""
+    out: list[TrainTree] = []
+    left_out: list[str] = []
+    for tree in trees:
+        keep = [s for s in tree.sequences if len(s.positions) <= max_positions]
+        left_out += [s.call_id for s in tree.sequences if len(s.positions) > max_positions]
+        if len(keep) == len(tree.sequences):
+            out.append(tree)
+        elif keep:
+            out.append(tree.pruned(keep))
+    return out, left_out
+
+
 def build_batch(
     trees: list[TrainTree],
     rollouts: dict[str, RolloutInfo],
@@ -138,12 +157,24 @@ def build_batch(
     *,
     policy_version: int | None,
     vocab_size: int | None = None,
+    max_positions: int | None = None,
 ) -> TrainBatch:
-    """Drop unusable trees, calls with token ids outside the policy's vocabulary (``vocab_size``, when given),
-    groups without usable rewards and zero-variance groups, then lay out contributions, advantages and
+    """Drop unusable trees, calls with token ids outside the policy's vocabulary (``vocab_size``, when given)
+    or longer than its positions (``max_positions``, when given), groups without usable rewards and
+    zero-variance groups (a group of one rollout among them), then lay out contributions, advantages and
     coefficients. Raises when every group was left out for its rewards."""
     check_rewards(trees, rollouts)
     stats: dict[str, float] = {"trees_in": len(trees)}
+    if max_positions is not None:
+        trees, long = within_context(trees, max_positions)
+        stats["calls_longer_than_context"] = len(long)
+        if long:
+            log.warning(
+                "%d call(s) left out of the step: longer than the model's %d positions (first: %s)",
+                len(long),
+                max_positions,
+                long[0],
+            )
     if vocab_size is not None:
         trees, odd = within_vocabulary(trees, vocab_size)
         stats["calls_token_ids_out_of_vocab"] = len(odd)
@@ -188,6 +219,8 @@ def build_batch(
         skip_groups = {k for k, (_, std, n) in moments.items() if n < 2 or std < 1e-8}
     stats["groups"] = len(moments) + len(out_of_range) + len(no_reward)
     stats["groups_skipped_zero_variance"] = len(skip_groups)
+    # a group of one has no baseline to compare with (GRPO leaves it out, as zero variance)
+    stats["groups_single_rollout"] = sum(1 for _, _, n in moments.values() if n < 2)
     stats["groups_skipped_reward_range"] = len(out_of_range)
     stats["groups_skipped_no_reward"] = len(no_reward)
     stats["rollouts_no_reward"] = len(missing)
@@ -195,6 +228,8 @@ def build_batch(
 
     kept: list[TrainTree] = []
     no_gen = 0
+    # an empty completion trains no token; its rollout's reward still counts in its group's baseline
+    stats["sequences_no_generated_tokens"] = sum(1 for t in trees for s in t.sequences if len(s.gen_positions) == 0)
     for tree in trees:
         seqs = [s for s in tree.sequences if keys[s.rollout_id] not in skip_groups and len(s.gen_positions) > 0]
         if not seqs:

@@ -86,7 +86,10 @@ def train_step(
     else:
         trees, infos, load_stats = load_trees(lake_root, run_id, iteration, config)
     vocab = int(model.get_input_embeddings().num_embeddings)  # the rows an id may index
-    batch = build_batch(trees, infos, config, policy_version=loaded.policy_version, vocab_size=vocab)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    batch = build_batch(
+        trees, infos, config, policy_version=loaded.policy_version, vocab_size=vocab, max_positions=positions
+    )
     metrics = {f"load/{k}": float(v) for k, v in load_stats.items()}
     metrics.update(trainer.step(batch))
     new_version = loaded.policy_version + 1
@@ -124,12 +127,13 @@ def train_step(
         )
     if tracker is not None:
         tracker.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=int(iteration))
+    loss = metrics.get("loss/total")
     log.info(
-        "train step done run_id=%s iteration=%s policy_version=%d loss=%.4f",
+        "train step done run_id=%s iteration=%s policy_version=%d %s",
         run_id,
         iteration,
         new_version,
-        metrics.get("loss/total", float("nan")),
+        f"loss={loss:.4f}" if loss is not None else "empty step: no update (see train/groups_* metrics)",
     )
     return TrainResult(path, new_version, metrics, published)
 

@@ -316,7 +316,16 @@ class Trainer:
             }
         )
         if len(c) == 0:
-            log.warning("empty batch (all groups zero-variance or no generated tokens): no update this step")
+            st = batch.stats
+            log.warning(
+                "empty batch, no update this step: of %d group(s), %d zero-variance (%d of one rollout), %d "
+                "without a usable reward; %d empty completion(s)",
+                int(st.get("groups", 0)),
+                int(st.get("groups_skipped_zero_variance", 0)),
+                int(st.get("groups_single_rollout", 0)),
+                int(st.get("groups_skipped_no_reward", 0) + st.get("groups_skipped_reward_range", 0)),
+                int(st.get("sequences_no_generated_tokens", 0)),
+            )
             metrics["empty_step"] = 1.0
             return metrics
         mbs = self.pack(batch, layout)
