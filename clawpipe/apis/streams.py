@@ -24,6 +24,27 @@ _STREAM_TOP_KEYS = (
 )
 
 
+def whole_text(text: str) -> str:
+    """``text`` with each surrogate pair that arrived as two halves (a server holding UTF-16 strings cut a
+    delta between them) joined into its character; a half left alone becomes U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return text
+
+
+def whole_characters(value: Any) -> Any:
+    """:func:`whole_text` applied to every string in a JSON value (keys included)."""
+    if isinstance(value, str):
+        return whole_text(value)
+    if isinstance(value, list):
+        return [whole_characters(v) for v in value]
+    if isinstance(value, dict):
+        return {whole_text(k): whole_characters(v) for k, v in value.items()}
+    return value
+
+
 def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str, Any]:
     """The non-streamed response equivalent to chat.completion.chunk / completions chunks."""
     out: dict[str, Any] = {"object": "chat.completion" if api == "chat" else "text_completion"}
@@ -170,7 +191,7 @@ def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
         block = blocks[idx]
         # tool_use, server_tool_use (a search the server runs), mcp_tool_use: each streams its input as JSON
         if parts.get(idx) and ("input" in block or str(block.get("type")).endswith("tool_use")):
-            text = "".join(parts[idx])
+            text = whole_text("".join(parts[idx]))
             try:
                 block["input"] = orjson.loads(text) if text else {}
             except orjson.JSONDecodeError:

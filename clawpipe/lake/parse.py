@@ -16,12 +16,13 @@ raises :class:`ParseError`; the lander turns it into a reject row.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
 
 from clawpipe.apis.sse import read_events
-from clawpipe.apis.streams import reassemble
+from clawpipe.apis.streams import reassemble, whole_characters
 from clawpipe.lake.openai_fast import CUT_MIN_BYTES, cut_prompt_ids, parse_openai_fast
 from clawpipe.lake.parsed import Choice, ParsedCall, ParseError, chat_tool_calls
 
@@ -97,10 +98,24 @@ def _usage_anthropic(parsed: ParsedCall, usage: Any) -> None:
             parsed.completion_tokens = usage.get("output_tokens")
 
 
-def _sse_events(body: bytes) -> list[dict[str, Any]]:
-    """Decoded SSE events; a torn last event (stream cut mid-write) is dropped, a bad middle one raises."""
+def _lone_surrogates(data: bytes) -> Any:
+    """An event whose JSON holds a lone surrogate escape (a UTF-16 server cut a delta inside a pair), which
+    orjson refuses: the standard decoder keeps the half, for :func:`whole_characters` to join after
+    reassembly. None when the event is bad for another reason."""
+    if b"\\ud" not in data.lower():
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _sse_events(body: bytes) -> tuple[list[dict[str, Any]], bool]:
+    """Decoded SSE events, and whether one held half a surrogate pair; a torn last event (stream cut
+    mid-write) is dropped, a bad middle one raises."""
     datas = [ev.data.strip() for ev in read_events(body)]
     events = []
+    halves = False
     last = len(datas) - 1
     for i, data in enumerate(datas):
         if data == b"[DONE]":
@@ -108,12 +123,15 @@ def _sse_events(body: bytes) -> list[dict[str, Any]]:
         try:
             ev = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
-            if i == last:
-                break
-            raise ParseError(f"bad SSE event #{i}: {exc}") from exc
+            ev = _lone_surrogates(data)
+            if ev is None:
+                if i == last:
+                    break
+                raise ParseError(f"bad SSE event #{i}: {exc}") from exc
+            halves = True
         if isinstance(ev, dict):
             events.append(ev)
-    return events
+    return events, halves
 
 
 def _dumps(obj: Any) -> str:
@@ -242,7 +260,7 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
         return parsed
     failed_http = http_status is not None and http_status >= 400
     if stream and not (failed_http and body[:1] == b"{"):
-        events = _sse_events(body)
+        events, halves = _sse_events(body)
         if not events:
             if failed_http:
                 parsed.error = body[:2000].decode("utf-8", "replace")
@@ -252,6 +270,8 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
             obj = reassemble(api, events)
         except ValueError as exc:
             raise ParseError(str(exc)) from exc
+        if halves:
+            obj = whole_characters(obj)
         parsed.response = orjson.dumps(obj)
         parsed.stream_error = _ends_in_error(api, events[-1])
     else:

@@ -116,3 +116,24 @@ def test_the_two_choices_are_sibling_generations_after_their_shared_prompt(tmp_p
     assert a["parent_id"] == b["parent_id"] == prompt_node["node_id"]
     assert a["generated"] and b["generated"] and {a["branch_cause"], b["branch_cause"]} == {None, "choice"}
     assert b["logprobs"] == pytest.approx([-0.5, -0.6, -0.7])
+
+
+def test_content_and_arguments_cut_inside_a_surrogate_pair_land_whole(tmp_path: Path) -> None:
+    """A server holding UTF-16 strings cuts a delta between the halves of a pair: each event's JSON holds
+    one half as a lone \\uXXXX escape."""
+    events = [
+        _chunk([_c(0, {"role": "assistant", "content": "ok \ud83d"})]),
+        _chunk([_c(0, {"content": "\ude00!"})]),
+        _chunk([_c(0, _tool(0, '{"e": "\ud83c', "ls"))]),
+        _chunk([_c(0, _tool(0, '\udf89"}'))]),
+        _chunk([_c(0, {}, finish_reason="tool_calls")]),
+        "[DONE]",
+    ]
+    body = cx.sse(events, named=False)
+    frames = [cx.record("chat", REQUEST, body, stream=True, seq=0, call_id="c-utf16")]
+    lake = cx.land_frames(tmp_path, frames)
+    assert cx.rejects(lake) == []
+    (row,) = cx.calls(lake)
+    (tool,) = json.loads(row["tool_calls"])
+    assert json.loads(tool["function"]["arguments"]) == {"e": "\U0001f389"}
+    assert json.loads(row["response"])["choices"][0]["message"]["content"] == "ok \U0001f600!"

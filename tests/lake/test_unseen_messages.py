@@ -167,3 +167,41 @@ def test_an_error_event_mid_stream_lands_as_an_upstream_error_keeping_what_arriv
     assert row["prompt_token_ids"] == [11, 12, 13] and row["prompt_tokens"] == 140
     body = json.loads(row["response"])
     assert body["content"][4]["text"] == "It is sunny. " and body["error"]["type"] == "overloaded_error"
+
+
+def _utf16_pieces(text: str) -> tuple[str, str]:
+    """``text`` cut between the two halves of its first surrogate pair, as a server holding UTF-16 strings
+    cuts it: each half is a lone surrogate, which its JSON encoder writes as a \\uXXXX escape."""
+    units = text.encode("utf-16-le", "surrogatepass")
+    cut = next(i for i in range(0, len(units), 2) if 0xD8 <= units[i + 1] <= 0xDB) + 2
+    return (units[:cut].decode("utf-16-le", "surrogatepass"), units[cut:].decode("utf-16-le", "surrogatepass"))
+
+
+def test_deltas_cut_inside_a_surrogate_pair_land_whole(tmp_path: Path) -> None:
+    args = json.dumps({"emoji": "\U0001f600", "dir": "caf\u00e9"}, ensure_ascii=False)  # raw characters
+    a1, a2 = _utf16_pieces(args)
+    t1, t2 = _utf16_pieces("Done \U0001f389 now")
+    start = {"id": "msg_2", "type": "message", "role": "assistant", "content": [], "usage": {"input_tokens": 5}}
+    events = [
+        {"type": "message_start", "message": start},
+        _block(0, {"type": "text", "text": ""}),
+        _delta(0, {"type": "text_delta", "text": t1}),
+        _delta(0, {"type": "text_delta", "text": t2}),
+        _stop(0),
+        _block(1, {"type": "tool_use", "id": "toolu_e", "name": "ls", "input": {}}),
+        _delta(1, {"type": "input_json_delta", "partial_json": a1}),
+        _delta(1, {"type": "input_json_delta", "partial_json": a2}),
+        _stop(1),
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}},
+        {"type": "message_stop"},
+    ]
+    body = cx.sse(events)
+    assert b'\\ud83d"' in body  # the events' JSON holds lone surrogate escapes
+    lake = cx.land_frames(tmp_path, [cx.record("messages", REQUEST, body, stream=True, seq=0, call_id="m-utf16")])
+    assert cx.rejects(lake) == []
+    (row,) = cx.calls(lake)
+    content = json.loads(row["response"])["content"]
+    assert content[0]["text"] == "Done \U0001f389 now"
+    assert content[1]["input"] == {"emoji": "\U0001f600", "dir": "caf\u00e9"}
+    (tool,) = json.loads(row["tool_calls"])
+    assert json.loads(tool["function"]["arguments"]) == {"emoji": "\U0001f600", "dir": "caf\u00e9"}
