@@ -19,7 +19,8 @@ from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
 
-# Exits 0 at once; its grandchild, in a session of its own, appends to out/answer.txt every 5 ms for a minute.
+# Exits 0 as soon as its grandchild, in a session of its own, has begun appending to out/answer.txt (every 5 ms
+# for a minute).
 DAEMON_WRITER = r"""
 import os, sys, time
 out = os.environ["CLAWPIPE_OUTPUT"]
@@ -35,7 +36,9 @@ if os.fork() == 0:
             time.sleep(0.005)
         os._exit(0)
     os._exit(0)
-time.sleep(0.3)  # the daemon has written by now
+deadline = time.time() + 30
+while not os.path.exists(os.path.join(out, "answer.txt")) and time.time() < deadline:
+    time.sleep(0.01)  # exit once the daemon has written (a fixed sleep could end first on a loaded machine)
 """
 
 # Ignores SIGTERM (and SIGHUP, SIGINT), closes its stdout and stderr, and keeps running.
