@@ -169,6 +169,7 @@ def test_a_compressed_stream_is_served_decoded_and_captured_once(make_proxy, raw
 @pytest.mark.parametrize(
     ("coding", "body", "reason"),
     [("br", b"\x8b\x00\x80", "'br'"), ("gzip", b"not gzip at all", "could not be decoded")],
+    ids=["br", "not-gzip"],
 )
 def test_an_answer_that_cannot_be_decoded_is_a_captured_502(make_proxy, raw: RawUpstream, coding, body, reason):
     raw.answers = [_whole(body, f"content-encoding: {coding}")]
