@@ -226,3 +226,30 @@ def test_the_same_prompt_sent_twice_with_different_answers_is_a_retry(tmp_path: 
     assert a["parent_id"] == b["parent_id"] == prompt_node["node_id"] and not prompt_node["generated"]
     assert (a["call_id"], b["call_id"]) == ("call0", "call1") and b["branch_cause"] == "retry"
     assert _branches(stats) == {**dict.fromkeys(CAUSES, 0), "retry": 1}
+
+
+def test_a_group_of_timestamped_rollouts_shares_the_prompt_up_to_the_time_and_keeps_each_rollout_s_labels(
+    tmp_path: Path,
+) -> None:
+    h = Harness()
+    for r, minute in (("ra", 0), ("rb", 30)):
+        history: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+        for turn in range(2):
+            system = f"You are a coding agent. Current time: 2026-12-02T05:{minute + turn:02d}:00Z."
+            answer = h.call({"model": "claude-x", "system": system, "messages": history}, _read(turn), rollout=r)
+            history = [*history, answer, _result(turn, "ok")]
+    lake = cx.land_frames(
+        tmp_path, h.frames, [{"rollout_id": r, "group_id": "g", "reward": w} for r, w in (("ra", 1.0), ("rb", 0.0))]
+    )
+    build_iteration(lake, cx.RUN, 0)
+    stats = read_stats(lake, cx.RUN, 0)
+    nodes = read_tree(lake, cx.RUN, 0, "group:g")
+    prefix = cx.ids("<system>You are a coding agent. Current time: 2026-12-02T05:")
+    (root,) = [n for n in nodes if n["parent_id"] == -1]
+    assert root["token_ids"] == prefix and root["n_seqs"] == 4 and root["rollout_ids"] == ["ra", "rb"]
+    for r in ("ra", "rb"):
+        assert _branches(stats[f"rollout:{r}"]) == {**dict.fromkeys(CAUSES, 0), "rewrite": 1}
+    group = stats["group:g"]
+    assert (group["branches_rewrite"], group["branches_rollout"], group["n_leaves"]) == (2, 1, 4)
+    leaves = {n["call_id"]: n["reward"] for n in nodes if n["is_leaf"]}
+    assert leaves == {"call0": 1.0, "call1": 1.0, "call2": 0.0, "call3": 0.0}
