@@ -5,7 +5,8 @@ Responses) and messages (Anthropic), each plain JSON or SSE. Streams are reassem
 non-streamed call would have returned, which is what the ``response`` column stores.
 
 Values are normalised so that the same completion gives the same columns whatever the API:
-``finish_reason`` uses the OpenAI words (stop, length, tool_calls, content_filter, error) and
+``finish_reason`` uses the OpenAI words (stop, length, tool_calls, content_filter, error; a reason they have no
+word for, such as Anthropic's ``pause_turn``, is kept as sent) and
 ``tool_calls`` is a JSON list in the OpenAI chat shape ``[{"id", "type": "function", "function":
 {"name", "arguments": str}}]``.
 
@@ -32,6 +33,7 @@ _MESSAGES_STOP = {
     "end_turn": "stop",
     "stop_sequence": "stop",
     "max_tokens": "length",
+    "model_context_window_exceeded": "length",  # cut by the context window rather than max_tokens
     "tool_use": "tool_calls",
     "refusal": "content_filter",
 }

@@ -205,3 +205,20 @@ def test_deltas_cut_inside_a_surrogate_pair_land_whole(tmp_path: Path) -> None:
     assert content[1]["input"] == {"emoji": "\U0001f600", "dir": "caf\u00e9"}
     (tool,) = json.loads(row["tool_calls"])
     assert json.loads(tool["function"]["arguments"]) == {"emoji": "\U0001f600", "dir": "caf\u00e9"}
+
+
+def test_stop_reasons_of_server_tools_and_a_full_context_land_in_the_lake_s_words(tmp_path: Path) -> None:
+    search = {"type": "server_tool_use", "id": "srvtoolu_2", "name": "web_search", "input": {"query": "q"}}
+    bodies = {
+        "pause_turn": [search],  # the server paused its own long turn: the harness sends it back to go on
+        "model_context_window_exceeded": [{"type": "text", "text": "cut"}],
+    }
+    frames = []
+    for i, (stop, content) in enumerate(bodies.items()):
+        body = {"id": f"msg_{i}", "type": "message", "role": "assistant", "content": content, "stop_reason": stop}
+        body["usage"] = {"input_tokens": 4, "output_tokens": 2}
+        frames.append(cx.record("messages", REQUEST, json.dumps(body).encode(), stream=False, seq=i, call_id=stop))
+    lake = cx.land_frames(tmp_path, frames)
+    paused, full = cx.calls(lake)
+    assert (paused["finish_reason"], paused["tool_calls"], paused["status"]) == ("pause_turn", None, "ok")
+    assert (full["finish_reason"], full["status"]) == ("length", "ok")
