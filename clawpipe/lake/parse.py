@@ -170,7 +170,7 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
 
 
 def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
-    failed = obj.get("type") == "error" or "error" in obj
+    failed = obj.get("type") == "error" or obj.get("error") is not None or ("error" in obj and "content" not in obj)
     if failed:
         parsed.error = _error_text(obj.get("error"))
         if "content" not in obj:  # an error body; a stream cut by an error event keeps what arrived before it

@@ -222,3 +222,13 @@ def test_stop_reasons_of_server_tools_and_a_full_context_land_in_the_lake_s_word
     paused, full = cx.calls(lake)
     assert (paused["finish_reason"], paused["tool_calls"], paused["status"]) == ("pause_turn", None, "ok")
     assert (full["finish_reason"], full["status"]) == ("length", "ok")
+
+
+def test_a_message_with_a_null_error_field_is_not_an_error(tmp_path: Path) -> None:
+    body = {"id": "m", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "hi"}]}
+    body.update(stop_reason="end_turn", error=None, usage={"input_tokens": 1, "output_tokens": 1})
+    lake = cx.land_frames(
+        tmp_path, [cx.record("messages", REQUEST, json.dumps(body).encode(), stream=False, seq=0, call_id="n")]
+    )
+    (row,) = cx.calls(lake)
+    assert (row["status"], row["error"], row["finish_reason"]) == ("ok", None, "stop")
