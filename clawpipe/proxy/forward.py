@@ -105,6 +105,10 @@ class CallPath:
     def _new_header(self, req: wire.Request, att: RolloutKey, path: str) -> tuple[CaptureHeader, str | None]:
         """The capture header of a new call (its outcome fields filled in later) and its API."""
         api = ROUTES.get((req.method, path))
+        if api is None and "//" in path:  # a base URL ending in "/" joined by concatenation: "/v1//chat/..."
+            tidy = "/" + "/".join(p for p in path.split("/") if p)
+            if ROUTES.get((req.method, tidy)) or ROUTES.get((req.method, "/v1" + tidy)):
+                path, api = tidy, ROUTES.get((req.method, tidy))
         if api is None and not path.startswith("/v1/"):  # a base URL given without /v1
             api = ROUTES.get((req.method, "/v1" + path))
             if api is not None:

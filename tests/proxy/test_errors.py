@@ -154,6 +154,18 @@ def test_base_url_without_v1_is_accepted(proxy: ProxyHandle, upstream):
     assert upstream.requests[0].path == "/v1/chat/completions"
 
 
+@pytest.mark.parametrize("joined", ["/v1//chat/completions", "//chat/completions", "/v1///chat//completions"])
+def test_a_base_url_ending_in_a_slash_joined_by_concatenation_is_served(proxy: ProxyHandle, upstream, joined: str):
+    """``f"{base}/chat/completions"`` with a base URL ending in "/" doubles a slash: the call is still a chat
+    call, forwarded and captured on its tidy path."""
+    base = proxy.openai_base("r2").removesuffix("/v1")
+    r = httpx.post(base + joined, json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+    (rec,) = proxy.records()
+    assert rec.header["path"] == "/v1/chat/completions" and rec.header["api"] == "chat"
+    assert upstream.requests[0].path == "/v1/chat/completions"
+
+
 def test_upstream_dying_mid_stream_truncates_the_stream_and_is_captured(proxy: ProxyHandle, upstream):
     upstream.chunk_chars = 2
     upstream.push(say("this answer will be cut off"))
