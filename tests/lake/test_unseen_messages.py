@@ -232,3 +232,22 @@ def test_a_message_with_a_null_error_field_is_not_an_error(tmp_path: Path) -> No
     )
     (row,) = cx.calls(lake)
     assert (row["status"], row["error"], row["finish_reason"]) == ("ok", None, "stop")
+
+
+def test_usage_given_only_by_the_final_message_delta_is_the_call_s_usage(tmp_path: Path) -> None:
+    start = {"id": "msg_u", "type": "message", "role": "assistant", "model": "claude-x", "content": []}
+    events = [
+        {"type": "message_start", "message": start},
+        _block(0, {"type": "text", "text": ""}),
+        _delta(0, {"type": "text_delta", "text": "hi"}),
+        _stop(0),
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn"},
+            "usage": {"input_tokens": 12, "output_tokens": 3},
+        },
+        {"type": "message_stop"},
+    ]
+    lake = cx.land_frames(tmp_path, [cx.record("messages", REQUEST, cx.sse(events), stream=True, seq=0, call_id="u")])
+    (row,) = cx.calls(lake)
+    assert (row["prompt_tokens"], row["completion_tokens"], row["finish_reason"]) == (12, 3, "stop")
