@@ -35,6 +35,7 @@ class MessagesRoutes(Routes):
             prompt,
             convert.int_field(body, "max_tokens"),
             convert.stop_list(body.get("stop_sequences"), "stop_sequences"),
+            forced=convert.forced_call(body, tools),
         )
         mid = f"msg_{new_id('', 12)}"
         if body.get("stream"):

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from clawpipe.apis import requests
 from clawpipe.errors import RequestShapeError
 from clawpipe.serving.params import RequestError, SamplingParams
+from clawpipe.serving.policy import TOOL_CALL_OPEN
 from clawpipe.serving.splice import Ending
 
 T = TypeVar("T")
@@ -23,8 +24,8 @@ def apply_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]], api: st
     """The tools to offer under the request's tool_choice (api: chat, responses or anthropic).
 
     none: no tools (not rendered, and the output is not parsed for calls). auto, required / any, or one named
-    tool: the same tools; the engine has no constrained decoding, so required and named choices are checked
-    (the name must be one of the tools) but not enforced; vLLM enforces them."""
+    tool: the same tools, the name checked to be one of them; `forced_call` says how the answer must begin for
+    required and named choices."""
     choice = body.get("tool_choice")
     if choice is None:
         return tools
@@ -55,6 +56,23 @@ def apply_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]], api: st
     if kind in ("tool", "function") and (not isinstance(name, str) or name not in names):
         raise RequestError(f"tool_choice names {name!r}, which is not one of the request's tools {names}")
     return tools
+
+
+def forced_call(body: dict[str, Any], tools: list[dict[str, Any]]) -> str | None:
+    """The text a tool_choice already checked by `apply_tool_choice` makes the answer begin with: the opening
+    of a call for required / any, that and the tool's name for a named tool (its arguments are then sampled);
+    None for auto and none. The engine has no grammar to constrain a whole call to JSON, as vLLM does; forcing
+    its start keeps the promise that the answer is a call of that tool, in the chat template's own format."""
+    choice = body.get("tool_choice")
+    if not tools or choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "any"):
+        return TOOL_CALL_OPEN
+    if not isinstance(choice, dict) or choice.get("type") not in ("tool", "function"):
+        return None  # the Responses API's allowed_tools and hosted tool choices: nothing to force
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else choice.get("name")
+    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
 
 
 def _chat_choice_name(choice: dict[str, Any]) -> Any:

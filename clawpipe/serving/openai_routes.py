@@ -34,6 +34,7 @@ class ChatRoutes(Routes):
             convert.stop_list(body.get("stop")),
             n,
             convert.int_field(body, "top_logprobs") or 0,
+            convert.forced_call(body, tools),
         )
         want_ids = True  # always: the proxy asks for ids, and SDK clients ignore extra fields
         if not isinstance(body.get("logprobs"), bool | None):

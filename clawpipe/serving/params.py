@@ -45,6 +45,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    forced: list[int] = field(default_factory=list)  # the first ids, given (a tool_choice's call opening)
 
     @property
     def shaped(self) -> bool:
@@ -56,6 +57,7 @@ class SamplingParams:
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
+            or self.forced
         )
 
 

@@ -33,7 +33,9 @@ class ResponsesRoutes(Routes):
         messages, tools = convert.responses_messages({**body, "input": items})
         tools = convert.apply_tool_choice(body, tools, "responses")
         prompt = await self.render(messages, tools)
-        params = self.build_params(body, prompt, convert.int_field(body, "max_output_tokens"), [])
+        params = self.build_params(
+            body, prompt, convert.int_field(body, "max_output_tokens"), [], forced=convert.forced_call(body, tools)
+        )
         skeleton = {
             "id": f"resp_{new_id('', 12)}",
             "object": "response",

@@ -295,8 +295,10 @@ class Routes:
         stop: list[str],
         n: int | None = 1,
         top_logprobs: int = 0,
+        forced: str | None = None,
     ) -> SamplingParams:
-        """The request's sampling parameters, capped and checked against the engine together with its prompt."""
+        """The request's sampling parameters, capped and checked against the engine together with its prompt;
+        `forced`: text the answer must begin with (see convert.forced_call)."""
         params = convert.sampling(
             body,
             self.max_tokens(max_tokens, len(prompt)),
@@ -305,6 +307,8 @@ class Routes:
             1 if n is None else n,
             top_logprobs,
         )
+        if forced:
+            params.forced = list(self.engine.tokenizer.encode(forced, add_special_tokens=False))
         self.engine.check(prompt, params)
         return params
 

@@ -41,7 +41,9 @@ class Row:
         if not p.shaped:
             return None
         banned = stop_ids if self.n_generated < p.min_tokens and not p.ignore_eos else None
+        force = p.forced[self.n_generated] if self.n_generated < len(p.forced) else None
         return Shaping(
+            force=force,
             counts=self.counts,
             seen=self.seen,
             presence=p.presence_penalty,

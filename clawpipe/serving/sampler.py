@@ -34,7 +34,8 @@ class Shaping:
     Penalties as OpenAI and vLLM define them: presence and frequency subtract from the logit of each id
     generated so far (once, and once per occurrence); repetition divides a positive logit of an id seen in the
     prompt or the output by it, and multiplies a negative one. `banned` ids get no probability (EOS before
-    min_tokens); top_k keeps the k most likely ids, min_p those at least min_p times as likely as the likeliest."""
+    min_tokens), and every id but `force` when it is set; top_k keeps the k most likely ids, min_p those at least
+    min_p times as likely as the likeliest."""
 
     counts: Mapping[int, int] | None = None  # generated ids -> occurrences
     seen: Collection[int] | None = None  # prompt and generated ids
@@ -44,6 +45,7 @@ class Shaping:
     banned: Collection[int] | None = None
     top_k: int = 0
     min_p: float = 0.0
+    force: int | None = None  # the one id that may be sampled now
 
 
 def _shaped(logits: torch.Tensor, shapes: list[Shaping | None]) -> torch.Tensor:
@@ -62,6 +64,8 @@ def _shaped(logits: torch.Tensor, shapes: list[Shaping | None]) -> torch.Tensor:
             idx = torch.tensor(list(sh.counts), device=device)
             n = torch.tensor(list(sh.counts.values()), device=device, dtype=row.dtype)
             row[idx] -= sh.frequency * n + sh.presence
+        if sh.force is not None:
+            row.masked_fill_(torch.arange(row.shape[0], device=device) != sh.force, float("-inf"))
         if sh.banned:
             row[torch.tensor(sorted(sh.banned), device=device)] = float("-inf")
         if 0 < sh.top_k < row.shape[0]:
