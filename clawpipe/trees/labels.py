@@ -93,21 +93,28 @@ def _re_encodes(seqs: TreeSequences, g: int, e: int, d: int) -> bool:
     return bool(np.isin(old, window).mean() >= 0.5)
 
 
+# prompt ids before the previous answer that must come back with it: the answer alone (an end-of-turn id, a
+# short reply) turns up in unrelated prompts by chance
+_LEAD_IN = 16
+
+
 def _carries_on_edited(ctx: LabelContext, p: int, e: int, d: int) -> bool:
     """Whether sequence e, leaving its parent node p at depth d, carries on the lineage of the call ranked just
-    before it with the history in front edited: the previous sequence passes through p and e holds its whole
-    generated completion after d. A system prompt stamped with the time of each turn diverges near the start
-    this way; a sub-agent's own prompt does not replay its parent's last answer."""
+    before it with the history in front edited: the previous sequence passes through p, and e replays after d
+    that call's whole answer together with the end of the prompt that led to it. A system prompt stamped with
+    the time of each turn diverges near the start this way; a sub-agent's own prompt does not."""
     if e == 0:
         return False
     seqs, j = ctx.seqs, e - 1
-    if not seqs.glen[j] or (p >= 0 and not p <= ctx.end_node[j] < p + ctx.size[p]):
+    plen, glen = seqs.plen[j], seqs.glen[j]
+    if not glen or (p >= 0 and not p <= ctx.end_node[j] < p + ctx.size[p]):
         return False
-    done = seqs.keys[j][seqs.plen[j] * 4 : (seqs.plen[j] + seqs.glen[j]) * 4]
+    lead = max(d + 1, plen - _LEAD_IN)  # the id at d is where the two part: it is not replayed
+    replayed = seqs.keys[j][lead * 4 : (plen + glen) * 4]
     new = seqs.keys[e]
-    at = new.find(done, d * 4)
+    at = new.find(replayed, d * 4)
     while at >= 0 and at % 4:  # ids are 4 bytes: a match must start on an id
-        at = new.find(done, at + 1)
+        at = new.find(replayed, at + 1)
     return at >= 0
 
 
@@ -124,9 +131,9 @@ def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     - both context: ``subagent`` when the old lineage goes on after X's first call (interleaved lineages)
       or both continue a call that ended at the parent (a fork), or the divergence lies near the start (in
       the first half of the first prompt through the parent: another system prompt) unless X's prompt
-      replays the previous call's answer after it (the same lineage with its system prompt edited, e.g. a
-      timestamp); else ``rewrite`` (compaction, edited history: the divergence is inside earlier context
-      and the old lineage stops).
+      replays the previous call's answer, and the end of its prompt, after it (the same lineage with its
+      system prompt edited, e.g. a timestamp); else ``rewrite`` (compaction, edited history: the divergence
+      is inside earlier context and the old lineage stops).
     """
     seqs, par, starts, gens, earliest = ctx.seqs, ctx.par, ctx.starts, ctx.gens, ctx.earliest
     n = len(par)

@@ -12,7 +12,7 @@ from clawpipe import capture
 from clawpipe.trees import build_iteration
 from tests.apis import captures as cx
 from tests.lake import fixtures as fx
-from tests.trees.fixtures import locate, read_stats, read_tree
+from tests.trees.fixtures import call, locate, read_stats, read_tree, rollout, write_lake
 
 TOOLS = [{"name": "read", "description": "read a file", "input_schema": {"type": "object"}}]
 TASK = "Fix the failing test in tests/test_x.py."
@@ -253,3 +253,18 @@ def test_a_group_of_timestamped_rollouts_shares_the_prompt_up_to_the_time_and_ke
     assert (group["branches_rewrite"], group["branches_rollout"], group["n_leaves"]) == (2, 1, 4)
     leaves = {n["call_id"]: n["reward"] for n in nodes if n["is_leaf"]}
     assert leaves == {"call0": 1.0, "call1": 1.0, "call2": 0.0, "call3": 0.0}
+
+
+def test_a_side_call_whose_prompt_happens_to_hold_the_last_short_answer_is_still_a_sub_agent(tmp_path: Path) -> None:
+    """The previous answer alone (one common id, say an end-of-turn token) proves nothing: the lineage carries
+    on only where the prompt also replays what led up to that answer."""
+    system, task = [1, 2, 3, 4], [5, 6, 7]
+    calls = [
+        call("c1", "r1", 0, [*system, *task], [20, 9]),
+        call("c2", "r1", 1, [*system, *task, 20, 9, 8], [9]),  # an answer of one id
+        call("t1", "r1", 2, [1, 90, 91, 9, 92], [31]),  # a side call with its own system prompt
+    ]
+    write_lake(tmp_path, "run-a", 0, calls, [rollout("r1", "g", 1.0)])
+    build_iteration(tmp_path, "run-a", 0)
+    stats = read_stats(tmp_path, "run-a", 0)["rollout:r1"]
+    assert _branches(stats) == {**dict.fromkeys(CAUSES, 0), "subagent": 1}
