@@ -20,6 +20,7 @@ from clawpipe.serving import convert
 from clawpipe.serving.body import MAX_REQUEST_BYTES, json_body
 from clawpipe.serving.engine import Engine
 from clawpipe.serving.params import RequestError, SamplingParams, ShuttingDown, TokenEvent, check_text_length
+from clawpipe.serving.policy import TOOL_CALL_CLOSE
 from clawpipe.serving.response_store import ResponseStore
 from clawpipe.serving.splice import REQUEST_ROLLOUT, Ending, Prompt, TurnMemory, render_open
 from clawpipe.serving.text import may_hold_tool_call, parse_tool_calls
@@ -308,9 +309,22 @@ class Routes:
             top_logprobs,
         )
         if forced:
-            params.forced = list(self.engine.tokenizer.encode(forced, add_special_tokens=False))
+            params.forced = self.forced_ids(forced)
         self.engine.check(prompt, params)
         return params
+
+    def forced_ids(self, text: str) -> list[int]:
+        """The ids a forced call opening is given as: those a whole call starting with it encodes to, as far as
+        they lie inside it. Encoded alone, its end could split where the call's own encoding merges across
+        (`": ` and `{` ...), and the policy would continue from ids it never saw there."""
+        tok = self.engine.tokenizer
+        ids = tok.encode(text + '{"x": 1}}' + TOOL_CALL_CLOSE, add_special_tokens=False)
+        keep: list[int] = []
+        for t in ids:
+            if not text.startswith(tok.decode([*keep, t], skip_special_tokens=False)):
+                break
+            keep.append(t)
+        return keep
 
     def lp_entries(self, choice: Choice, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
         return self.engine.table.logprob_entries(

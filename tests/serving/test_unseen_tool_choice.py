@@ -22,7 +22,12 @@ NAMED = TOOL_CALL_OPEN + '{"name": "guess", "arguments": '
 
 
 def forced_ids(scripted_dir: Path, text: str) -> list[int]:
-    return list(load_tokenizer(scripted_dir).encode(text, add_special_tokens=False))
+    """The ids of `text` as a whole call beginning with it encodes them (the last, crossing its end, left out)."""
+    tok = load_tokenizer(scripted_dir)
+    whole = tok.encode(text + '{"number": 1}}</tool_call>', add_special_tokens=False)
+    n = max(k for k in range(len(whole) + 1) if text.startswith(tok.decode(whole[:k])))
+    assert n > 0
+    return list(whole[:n])
 
 
 def chat(server: Any, **extra: Any) -> dict[str, Any]:
