@@ -321,7 +321,7 @@ class Routes:
         ids = tok.encode(text + '{"x": 1}}' + TOOL_CALL_CLOSE, add_special_tokens=False)
         keep: list[int] = []
         for t in ids:
-            if not text.startswith(tok.decode([*keep, t], skip_special_tokens=False)):
+            if not text.startswith(str(tok.decode([*keep, t], skip_special_tokens=False))):
                 break
             keep.append(t)
         return keep
