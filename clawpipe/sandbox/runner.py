@@ -132,7 +132,9 @@ class _Batch:
             work = rdir / "work"
             (work / "out").mkdir(parents=True)
             (work / "home").mkdir()
-            (rdir / "task.json").write_text(json.dumps(harness_view(spec.task)))  # data.hidden stays here
+            # What only the verifier may know (an answer, held-out cases) stays here, on the host.
+            view = harness_view(spec.task, self.task_set(spec.task["task_set"]))
+            (rdir / "task.json").write_text(json.dumps(view))
             (rdir / "task.json").chmod(0o644)
             self.task_set(spec.task["task_set"]).prepare(spec.task, work)
             if self.backend.name != "process":

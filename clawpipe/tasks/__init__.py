@@ -6,8 +6,13 @@ A task set (docs/ARCHITECTURE.md, contract C) has a ``name`` and three methods:
   keys ``task_set``, ``task_id`` (unique within one call), ``prompt``, ``data`` (task-specific, may hold the
   secret the harness needs to play the environment), ``max_turns`` and ``sampling`` (defaults the harness
   passes to the model, e.g. ``{"temperature": 1.0, "max_tokens": 16}``). Splits "train" and "eval" never
-  share an instance. ``data["hidden"]`` is for the verifier alone: the runner leaves it out of the task
-  file a harness reads (:func:`harness_view`).
+  share an instance. The verifier gets the whole task, on the host; a harness gets its view only.
+- ``harness_task(task) -> dict`` (optional): that view, written as the sandbox's task file: the task with
+  only the data its harness needs, never an answer (a policy with a shell reads every file and variable
+  it can see). The built-in sets keep only the ``data`` keys their harnesses use. Without the method the
+  harness gets the whole task except ``data["hidden"]``, so a custom set puts what only its verifier may
+  know under ``data["hidden"]`` or defines ``harness_task`` (:func:`harness_view`). The task id reaches
+  the sandbox too (task file, proxy key): it must not name an answer either.
 - ``prepare(task, workdir)``: writes starting files into a fresh work dir (file-based tasks; no-op otherwise).
 - ``verify(task, workdir) -> (reward, reward_info)``: runs on the host after the harness exits; reward in
   [0, 1]; never raises on missing or garbage output (reward 0 and ``reward_info["reason"]``). It only reads

@@ -104,13 +104,40 @@ def validate_task(task: Any, where: str = "task") -> dict[str, Any]:
     return task
 
 
-def harness_view(task: dict[str, Any]) -> dict[str, Any]:
-    """The task as a harness gets it (its task file): a copy without ``data["hidden"]``, which holds what
-    only the verifier may know (e.g. fixit's held-out cases, which a solution could otherwise look up)."""
+def without_hidden(task: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``task`` without ``data["hidden"]`` (the task itself when it has none)."""
     data = task.get("data")
     if not isinstance(data, dict) or HIDDEN not in data:
         return task
     return {**task, "data": {k: v for k, v in data.items() if k != HIDDEN}}
+
+
+def harness_view(task: dict[str, Any], task_set: object = None) -> dict[str, Any]:
+    """The task as a harness gets it (its task file): what the harness may see, never what only the
+    verifier may know (an answer a policy with a shell could read and copy).
+
+    ``task_set.harness_task(task)`` decides when the task set has one (every built-in set does: it lists
+    the data keys its harnesses need); without one, the task goes as it is minus ``data["hidden"]``. Either
+    way ``data["hidden"]`` never reaches a harness, and the view is checked like any task (ManifestError
+    naming the task set when it is not one, or names another task). The caller's task is left whole: the
+    verifier gets it on the host.
+    """
+    choose = getattr(task_set, "harness_task", None)
+    if not callable(choose):
+        return without_hidden(task)
+    name = getattr(task_set, "name", "?")
+    view = validate_task(choose(task), f"task set {name!r}'s harness view of {task.get('task_id')!r}")
+    if view["task_id"] != task["task_id"] or view["task_set"] != task["task_set"]:
+        raise ManifestError(
+            f"task set {name!r}'s harness_task changed task_id/task_set of {task['task_id']!r}: a view keeps both"
+        )
+    return without_hidden(view)
+
+
+def data_view(task: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of ``task`` whose ``data`` holds only ``keys`` (those present): a built-in set's harness view."""
+    data = task.get("data") if isinstance(task.get("data"), dict) else {}
+    return {**task, "data": {k: data[k] for k in keys if k in data}}
 
 
 def load_task(path: str | Path) -> dict[str, Any]:

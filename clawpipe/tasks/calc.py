@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
-from clawpipe.tasks.base import as_text, read_transcript, sample_keys, transcript_turns
+from clawpipe.tasks.base import as_text, data_view, read_transcript, sample_keys, transcript_turns
 
 NAME = "calc"
 MAX_TURNS = 4
@@ -37,6 +37,7 @@ TOOL_NAME = "calculator"
 REWARD_TOOL_CORRECT = 0.5
 REWARD_TOOL_USED = 0.2
 MAX_EXPRESSION_CHARS = 200
+HARNESS_DATA = ("expression", "tool")  # what a harness sees of data; the answer is the verifier's alone
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 _BINOPS: dict[type, Any] = {
     ast.Add: operator.add,
@@ -123,6 +124,10 @@ class CalcTaskSet:
                 }
             )
         return tasks
+
+    def harness_task(self, task: dict[str, Any]) -> dict[str, Any]:
+        """The task without ``data.answer``: the harness needs the expression and the tool's name only."""
+        return data_view(task, HARNESS_DATA)
 
     def prepare(self, task: dict[str, Any], workdir: Path) -> None:
         """Nothing to write: the harness carries the calculator."""

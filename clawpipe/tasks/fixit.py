@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.errors import ConfigError, ManifestError
-from clawpipe.tasks.base import sample_keys, write_workdir_file
+from clawpipe.tasks.base import data_view, sample_keys, write_workdir_file
 from clawpipe.tasks.check import CheckProgram, CheckRun
 from clawpipe.tasks.values import same_value
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 NAME = "fixit"
 MAX_TURNS = 12
+HARNESS_DATA = ("template", "function", "files", "cases")  # never data.hidden: the held-out cases
 SAMPLING = {"temperature": 1.0, "max_tokens": 1024}
 SOLUTION = "solution.py"
 CHECK = "check.py"
@@ -265,6 +266,10 @@ class FixitTaskSet:
                 }
             )
         return tasks
+
+    def harness_task(self, task: dict[str, Any]) -> dict[str, Any]:
+        """The task without the held-out cases (``data.hidden``), which a solution could otherwise look up."""
+        return data_view(task, HARNESS_DATA)
 
     def prepare(self, task: dict[str, Any], workdir: Path) -> None:
         """Write the buggy solution.py and check.py into ``workdir``; ManifestError for unusable task data

@@ -37,11 +37,12 @@ The first turn without an in-range guess scores 0 and ends the game (later turns
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 from typing import Any
 
-from clawpipe.tasks.base import as_text, read_transcript, sample_keys, transcript_turns
+from clawpipe.tasks.base import as_text, data_view, read_transcript, sample_keys, transcript_turns
 
 NAME = "guess"
 LO = 1
@@ -52,6 +53,14 @@ MISS_BASE = 0.4
 MISS_CLOSENESS = 0.3
 BURIED_FACTOR = 0.5
 _DIGITS = re.compile(r"[0-9]+")
+# The harness plays the game in the sandbox (harnesses/_kit judges each guess), so it needs the target.
+HARNESS_DATA = ("lo", "hi", "target")
+
+
+def opaque_id(key: str) -> str:
+    """The task id of instance ``key`` ("hi-target", maybe with a "~k" repeat suffix): a hash of it, since
+    the id reaches the sandbox (task file, proxy key, transcript) and must not name the target."""
+    return f"{NAME}-{hashlib.sha256(f'{NAME}:{key}'.encode()).hexdigest()[:12]}"
 
 
 def parse_guess(reply: str) -> tuple[int | None, bool]:
@@ -122,7 +131,7 @@ class GuessTaskSet:
             tasks.append(
                 {
                     "task_set": NAME,
-                    "task_id": f"{NAME}-{key}",
+                    "task_id": opaque_id(key),
                     "prompt": f"Guess my number from {LO} to {hi}. Reply with just the number. "
                     "I will say higher or lower.",
                     "data": {"lo": LO, "hi": hi, "target": target},
@@ -131,6 +140,10 @@ class GuessTaskSet:
                 }
             )
         return tasks
+
+    def harness_task(self, task: dict[str, Any]) -> dict[str, Any]:
+        """The task with the game's range and target, which the harness judges guesses with."""
+        return data_view(task, HARNESS_DATA)
 
     def prepare(self, task: dict[str, Any], workdir: Path) -> None:
         """Nothing to write: the harness plays the game from the task file."""

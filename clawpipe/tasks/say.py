@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from clawpipe.tasks.base import read_transcript, sample_keys
+from clawpipe.tasks.base import data_view, read_transcript, sample_keys
 
 NAME = "say"
 MAX_TURNS = 4
@@ -74,6 +74,10 @@ class SayTaskSet:
                 }
             )
         return tasks
+
+    def harness_task(self, task: dict[str, Any]) -> dict[str, Any]:
+        """The task without its data: the prompt says the phrase, and nothing else is the harness's to know."""
+        return data_view(task, ())
 
     def prepare(self, task: dict[str, Any], workdir: Path) -> None:
         """Nothing to write: the task is the prompt."""
