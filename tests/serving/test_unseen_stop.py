@@ -112,3 +112,31 @@ def test_an_anthropic_stop_sequence_across_tokens_returns_whole_tokens_before_it
         got = {"ids": msg["token_ids"], "reason": msg["stop_reason"], "seq": msg["stop_sequence"]}
     assert got == {"ids": reply["ids"][:j], "reason": "stop_sequence", "seq": stop}
     assert text == reply["ends"][j - 1] and stop not in text
+
+
+def test_n_choices_with_a_stop_string_stream_what_they_return_whole(server: Any, scripted_dir: Any) -> None:
+    """n sampled choices, each cut by a stop string at its own place: streamed chunks carry each choice at most
+    once, and per choice the streamed ids and text equal the non-streamed ones, the ids decoding to the text."""
+    tok = load_tokenizer(scripted_dir)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "n": 4, "seed": 3}
+    free = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
+    stop = [c["message"]["content"][3:5] for c in free if len(c["message"]["content"]) > 6][:2]
+    assert stop, free
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stop": stop}, timeout=60).json()
+    streamed = stream_events(
+        httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stop": stop, "stream": True}, timeout=60).text
+    )
+    ids: dict[int, list[int]] = {i: [] for i in range(4)}
+    texts = dict.fromkeys(range(4), "")
+    for ev in streamed:
+        assert len({ch["index"] for ch in ev["choices"]}) == len(ev["choices"])
+        for ch in ev["choices"]:
+            ids[ch["index"]] += ch.get("token_ids") or []
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+    assert any(c["finish_reason"] == "stop" and c["stop_reason"] in stop for c in whole["choices"])
+    for c in whole["choices"]:
+        i = c["index"]
+        assert (ids[i], texts[i]) == (c["token_ids"], c["message"]["content"])
+        if c["stop_reason"] in stop:  # cut by a stop string: no end-of-turn id, the ids are the text
+            assert tok.decode(c["token_ids"]) == c["message"]["content"]
+        assert not any(s in c["message"]["content"] for s in stop)
