@@ -58,7 +58,7 @@ class MessagesRoutes(Routes):
                 "model": model,
                 "content": blocks,
                 "stop_reason": self._stop_reason(c, calls),
-                "stop_sequence": c.stopped_on,
+                "stop_sequence": self._stop_sequence(c),
                 "usage": self._anthropic_usage(len(prompt), len(c.token_ids)),
                 "prompt_token_ids": prompt,
                 "spliced_tokens": prompt.spliced,
@@ -74,7 +74,12 @@ class MessagesRoutes(Routes):
             return "tool_use"
         if c.finish_reason == "length":
             return "max_tokens"
-        return "stop_sequence" if c.stopped_on else "end_turn"
+        return "stop_sequence" if MessagesRoutes._stop_sequence(c) else "end_turn"
+
+    @staticmethod
+    def _stop_sequence(c: Choice) -> str | None:
+        """The stop sequence that ended the answer (a stop_token_ids id is an end of turn here)."""
+        return c.stopped_on if isinstance(c.stopped_on, str) else None
 
     @staticmethod
     def _anthropic_usage(n_in: int, n_out: int) -> dict[str, Any]:
@@ -164,7 +169,7 @@ class MessagesRoutes(Routes):
             yield sse({"type": "content_block_stop", "index": idx}, "content_block_stop")
         delta = {
             "type": "message_delta",
-            "delta": {"stop_reason": self._stop_reason(c, calls), "stop_sequence": c.stopped_on},
+            "delta": {"stop_reason": self._stop_reason(c, calls), "stop_sequence": self._stop_sequence(c)},
             "usage": self._anthropic_usage(len(prompt), len(c.token_ids)),  # cumulative, input included
             "token_ids": c.token_ids,
             "logprobs": {"content": self.lp_entries(c)},

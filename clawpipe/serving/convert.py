@@ -169,6 +169,7 @@ def check_unsupported(body: dict[str, Any]) -> None:
             "what training scores); drop logit_bias",
             param="logit_bias",
         )
+    _check_vllm_extras(body)
     text = body.get("text")
     for key, fmt in (("response_format", body.get("response_format")), ("text.format", _field(text, "format"))):
         kind = _field(fmt, "type")
@@ -178,6 +179,41 @@ def check_unsupported(body: dict[str, Any]) -> None:
                 "drop it (or use type text) and ask for the format in the prompt",
                 param=key,
             )
+
+
+# vLLM's extra fields for output the engine cannot produce: constrained decoding, beam search, prompt scoring
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _check_vllm_extras(body: dict[str, Any]) -> None:
+    """RequestError for vLLM extra fields whose answer this engine would silently not give."""
+    for key in GUIDED:
+        if body.get(key) is not None:
+            raise RequestError(
+                f"'{key}' is not supported: this engine has no constrained decoding; drop it and ask for the "
+                "format in the prompt",
+                param=key,
+            )
+    if body.get("use_beam_search"):
+        raise RequestError("'use_beam_search' is not supported: this engine samples; drop it", param="use_beam_search")
+    best_of, n = body.get("best_of"), body.get("n")
+    if best_of is not None and best_of != (1 if n is None else n):
+        raise RequestError(
+            f"'best_of' must equal n ({1 if n is None else n}) here: this engine returns every choice it samples; "
+            "drop best_of or ask for n choices",
+            param="best_of",
+        )
+    if body.get("prompt_logprobs") is not None:
+        raise RequestError(
+            "'prompt_logprobs' is not supported: this engine does not score the prompt; drop it",
+            param="prompt_logprobs",
+        )
+    if body.get("include_stop_str_in_output"):
+        raise RequestError(
+            "'include_stop_str_in_output' is not supported: the text ends before the stop string, with the ids "
+            "whose text it is (stop_reason names the string); drop it",
+            param="include_stop_str_in_output",
+        )
 
 
 def _field(value: Any, key: str) -> Any:
@@ -206,7 +242,19 @@ def sampling(
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        stop_token_ids=_id_list(body, "stop_token_ids"),
     )
+
+
+def _id_list(body: dict[str, Any], key: str) -> list[int]:
+    value = body.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise RequestError(f"'{key}' must be a list of token ids (integers)", param=key)
+    if len(value) > MAX_STOP_STRINGS:
+        raise RequestError(f"'{key}' has {len(value)} ids; send at most {MAX_STOP_STRINGS}", param=key)
+    return list(dict.fromkeys(value))
 
 
 # ---------------------------------------------------------------- request bodies as template messages

@@ -320,7 +320,8 @@ class Engine:
         for i in range(req.params.n):
             seed = req.params.seed + i if req.params.seed is not None else secrets.randbits(63)
             lazy = not req.params.stream and not req.params.stop
-            detok = Detokenizer(self.tokenizer, list(req.params.stop), self.hidden_ids, lazy=lazy)
+            hidden = self.hidden_ids | set(req.params.stop_token_ids) if req.params.stop_token_ids else self.hidden_ids
+            detok = Detokenizer(self.tokenizer, list(req.params.stop), hidden, lazy=lazy)
             rows.append(Row(request=req, index=i, rng=random.Random(seed), detok=detok))
         return rows
 
@@ -388,6 +389,8 @@ class Engine:
             self.stats["tokens"] += 1
             if (tid in self.stop_ids and not row.request.params.ignore_eos) or row.detok.stopped_on is not None:
                 row.finish = "stop"
+            elif tid in row.request.params.stop_token_ids:
+                row.finish, row.stop_id = "stop", tid
             elif row.n_generated >= row.request.params.max_tokens:
                 row.finish = "length"
             events.setdefault(id(row.request), (row.request, []))[1].append(row.events())

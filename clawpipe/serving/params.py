@@ -46,6 +46,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     forced: list[int] = field(default_factory=list)  # the first ids, given (a tool_choice's call opening)
+    stop_token_ids: list[int] = field(default_factory=list)  # ids that end a choice, as EOS does (vLLM's field)
 
     @property
     def shaped(self) -> bool:
@@ -70,7 +71,7 @@ class TokenEvent:
     logprob: float | None
     text: str
     finish_reason: str | None = None
-    stopped_on: str | None = None  # the stop string that ended the choice, if one did
+    stopped_on: str | int | None = None  # the stop string (or stop_token_ids id) that ended the choice, if one did
     top: list[tuple[int, float]] | None = None  # (id, logprob) of the most likely tokens, when asked for
 
 
@@ -133,6 +134,8 @@ def check_request(
     check_shaping(params)
     if any(not 0 <= t < vocab for t in prompt_ids):
         raise RequestError(f"prompt token ids must be in [0, {vocab})")
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise RequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
 
 
 def check_text_length(chars: int, longest_piece: int, *, context: int, prompt_limit: int) -> None:

@@ -105,7 +105,7 @@ class Choice:
     text: str = ""
     emitted: int = 0
     finish_reason: str | None = None
-    stopped_on: str | None = None
+    stopped_on: str | int | None = None
     shown: str = ""  # the content handed to the client so far (tool-call spans parsed out)
 
     def add(self, ev: TokenEvent) -> str:

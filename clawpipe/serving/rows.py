@@ -26,6 +26,7 @@ class Row:
     n_generated: int = 0
     last_token: int = -1
     finish: str | None = None
+    stop_id: int | None = None  # the stop_token_ids id that ended it
     # sampled (id, logprob, top) not yet handed out: their text may still turn out to be part of a stop string
     pending: collections.deque[tuple[int, float, Top]] = field(default_factory=collections.deque)
     counts: collections.Counter[int] = field(default_factory=collections.Counter)  # generated ids, when penalised
@@ -66,6 +67,11 @@ class Row:
         if p.repetition_penalty != 1.0:
             self.seen.add(token_id)
 
+    @property
+    def stopped_on(self) -> str | int | None:
+        """The stop string, or the stop_token_ids id, that ended the row (vLLM's stop_reason)."""
+        return self.detok.stopped_on if self.detok.stopped_on is not None else self.stop_id
+
     def events(self) -> list[TokenEvent]:
         """This step's events: one per sampled id whose text is now settled (the text rides on the last), and
         the end. Ids held back while their text may still be part of a stop string go out later, or, when the
@@ -79,7 +85,7 @@ class Row:
         if self.finish is not None:
             self.pending.clear()  # sampled into a stop string: not part of the answer
             if out:
-                out[-1].finish_reason, out[-1].stopped_on = self.finish, self.detok.stopped_on
+                out[-1].finish_reason, out[-1].stopped_on = self.finish, self.stopped_on
             else:
-                out.append(TokenEvent(self.index, None, None, piece, self.finish, self.detok.stopped_on))
+                out.append(TokenEvent(self.index, None, None, piece, self.finish, self.stopped_on))
         return out

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from clawpipe.serving.policy import load_model
+from clawpipe.serving.policy import load_model, load_tokenizer
 from tests.serving.calls import MSGS, PATHS, error_message, post
 from tests.serving.conftest import SECOND_TURN, TOOLS
 
@@ -139,3 +139,43 @@ def test_fields_the_engine_does_not_know_are_ignored_in_every_api(server: Any, a
         timeout=60,
     )
     assert plain.status_code == extra.status_code == 200, extra.text
+
+
+def test_stop_token_ids_end_a_choice_with_the_id_kept_and_its_text_left_out(server: Any, scripted_dir: Path) -> None:
+    tok = load_tokenizer(scripted_dir)
+    body = {"messages": SECOND_TURN, "tools": TOOLS, "temperature": 0, "max_tokens": 40}
+    ids = ids_of(post(server, "chat", body))
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tok.decode(ids[i : i + 1]).strip())
+    choice = post(server, "chat", {**body, "stop_token_ids": [ids[k]]}).json()["choices"][0]
+    assert choice["token_ids"] == ids[: k + 1] and choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == ids[k]  # vLLM's stop_reason: the id
+    assert choice["message"]["content"] == tok.decode(ids[:k])
+    r = post(server, "chat", {**body, "stop_token_ids": [10**9]})
+    assert r.status_code == 400 and "stop_token_ids must be in [0, " in error_message("chat", r)
+    r = post(server, "chat", {**body, "stop_token_ids": "5"})
+    assert r.status_code == 400 and "'stop_token_ids' must be a list of token ids" in error_message("chat", r)
+
+
+VLLM_UNSUPPORTED = [
+    ({"guided_json": {"type": "object"}}, "'guided_json' is not supported"),
+    ({"guided_choice": ["a", "b"]}, "'guided_choice' is not supported"),
+    ({"structured_outputs": {"regex": "a+"}}, "'structured_outputs' is not supported"),
+    ({"use_beam_search": True}, "'use_beam_search' is not supported"),
+    ({"best_of": 3}, "'best_of' must equal n (1)"),
+    ({"prompt_logprobs": 1}, "'prompt_logprobs' is not supported"),
+    ({"include_stop_str_in_output": True}, "'include_stop_str_in_output' is not supported"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), VLLM_UNSUPPORTED)
+def test_vllm_fields_whose_answer_the_engine_cannot_give_are_a_400(
+    server: Any, extra: dict[str, Any], message: str
+) -> None:
+    r = post(server, "chat", {**HI, **extra})
+    assert r.status_code == 400 and message in error_message("chat", r), r.text
+    assert r.json()["error"]["param"] == next(iter(extra))
+
+
+def test_neutral_values_of_those_vllm_fields_are_accepted(server: Any) -> None:
+    neutral = {"use_beam_search": False, "best_of": 2, "n": 2, "include_stop_str_in_output": False}
+    assert post(server, "chat", {**HI, **neutral}).status_code == 200
