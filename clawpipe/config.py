@@ -77,6 +77,12 @@ class Settings(BaseSettings):
         description="Let the process backend (no isolation) run the checks of task sets whose verifier executes "
         "work-dir code (fixit) as the runner's own user on this host. Only for fully trusted models and harnesses.",
     )
+    verify_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a task set's verifier may run on the host for one rollout; past it the rollout is an "
+        "infra error naming this limit and the batch goes on (its thread is left behind, never waited for).",
+    )
     reload_roots: str = Field(
         default="",
         description="Directories the serving engine's /admin/reload may load from (os.pathsep-separated, '*' "

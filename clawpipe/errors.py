@@ -32,6 +32,10 @@ class SandboxError(ClawpipeError):
     """A sandbox could not be set up (missing tool, no permissions); infra, not the harness's fault."""
 
 
+class VerifierTimeoutError(ClawpipeError):
+    """A task set's verifier did not return within the host's time limit for verification."""
+
+
 class LakeError(ClawpipeError):
     """The lake is missing, unreadable, or a query against it failed."""
 

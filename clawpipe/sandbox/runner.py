@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.capture import append_result
-from clawpipe.errors import ConfigError, ManifestError, SandboxError
+from clawpipe.errors import ConfigError, ManifestError, SandboxError, VerifierTimeoutError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.base import Backend, Outcome, SandboxJob, takes_own_uids
@@ -85,6 +85,7 @@ class _Batch:
         keep_workdirs: bool,
         timeout_s: float | None,
         uids: UidPool | None,
+        verify_timeout_s: float | None = None,
     ) -> None:
         self.backend = backend
         self.uids = uids  # None: the process backend, whose harnesses run as the runner's own user
@@ -96,6 +97,7 @@ class _Batch:
         self.max_attempts = max_attempts
         self.keep_workdirs = keep_workdirs
         self.timeout_s = timeout_s
+        self.verify_timeout_s = verify_timeout_s
         self.releaser: ThreadPoolExecutor | None = None  # gives sandbox uids back (see give_back)
         self._lock = threading.Lock()
 
@@ -238,18 +240,28 @@ class _Batch:
         return result
 
     def score(self, result: RolloutResult, spec: RolloutSpec, work: Path) -> None:
-        """Reward from the task set's verifier; a verifier that raises makes an infra error (not retried)."""
+        """Reward from the task set's verifier; a verifier that raises, or runs past ``verify_timeout_s``,
+        makes an infra error (not retried): neither says anything about the policy."""
         removed = scrub_workdir(work)
         try:
             # Work-dir code runs only in a fresh sandbox of this backend, never here (clawpipe.sandbox.verify).
             reward, info = verify_rollout(
-                self.task_set(spec.task["task_set"]), spec.task, work, self.backend, uids=self.uids
+                self.task_set(spec.task["task_set"]),
+                spec.task,
+                work,
+                self.backend,
+                uids=self.uids,
+                timeout_s=self.verify_timeout_s,
             )
             reward = checked_reward(reward)
             if removed:
                 info = {**info, **scrub_report(removed)}
             result.reward = reward
             result.reward_info = json.dumps(plain_info(info), default=str, allow_nan=False)
+        except VerifierTimeoutError as exc:
+            logger.error("rollout=%s: %s", spec.id, exc)
+            result.status = RolloutStatus.infra_error
+            result.error = str(exc)
         except Exception as exc:
             logger.exception("rollout=%s verifier failed", spec.id)
             result.status = RolloutStatus.infra_error
@@ -330,6 +342,7 @@ def iter_rollouts(
     bridge_max_connections: int = DEFAULT_MAX_CONNECTIONS,
     bridge_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     uid_pool: UidPool | None = None,
+    verify_timeout_s: float | None = None,
 ) -> Iterator[RolloutResult]:
     """Run rollouts and yield each result as it finishes (order of completion). See :func:`run_rollouts`."""
     spec_list = list(specs)
@@ -337,6 +350,8 @@ def iter_rollouts(
     manifests = _check_specs(spec_list, dirs)
     if concurrency < 1 or max_attempts < 1:
         raise ConfigError(f"concurrency and max_attempts must be >= 1, got {concurrency} and {max_attempts}")
+    if verify_timeout_s is not None and not verify_timeout_s > 0:
+        raise ConfigError(f"verify_timeout_s must be > 0 seconds, got {verify_timeout_s}")
     if not spec_list:
         return
     from clawpipe.config import get_settings
@@ -374,6 +389,7 @@ def iter_rollouts(
                 keep_workdirs=keep_workdirs,
                 timeout_s=timeout_s,
                 uids=uids,
+                verify_timeout_s=verify_timeout_s if verify_timeout_s is not None else settings.verify_timeout_s,
             )
             preflight(be.name, (s.task["task_set"] for s in spec_list), state.task_set)
             with (
@@ -421,7 +437,9 @@ def run_rollouts(
     max_attempts (infra retries), keep_workdirs, timeout_s (overrides the manifests'), batch_id,
     bridge_max_connections (open connections per sandbox; more are refused and make the rollout failed,
     still scored; lowered to fit the runner's descriptor limit), bridge_idle_timeout_s and uid_pool (the
-    host uids sandboxes run as, one each; default the range CLAWPIPE_SANDBOX_UID_BASE/_COUNT describe).
+    host uids sandboxes run as, one each; default the range CLAWPIPE_SANDBOX_UID_BASE/_COUNT describe) and
+    verify_timeout_s (seconds a task set's verifier may run on the host per rollout, default
+    CLAWPIPE_VERIFY_TIMEOUT_S; past it that rollout is an infra error naming the limit, the batch goes on).
     Raises ManifestError/ConfigError before anything runs if a manifest, task or id is invalid.
     """
     spec_list = list(specs)

@@ -17,6 +17,10 @@ see clawpipe.tasks.check) gets its check run by :func:`run_check` in a new sandb
 The host then reads result.json (no links, bounded size) and parses it as plain JSON with depth limits;
 the task set's ``score`` compares values it holds itself. The process backend isolates nothing: it runs
 such checks only when the operator opts in (CLAWPIPE_UNSAFE_PROCESS_CHECKS=1), see :func:`check_backend`.
+
+A task set's own code that runs on the host (``verify``, ``check_program``, ``score``) runs under a time
+limit (:func:`within`, ``CLAWPIPE_VERIFY_TIMEOUT_S``): Python cannot stop a thread, so a verifier that hangs
+is left running in a daemon thread of its own and the rollout ends with :class:`VerifierTimeoutError`.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from clawpipe.errors import ConfigError, ManifestError, SandboxError
+from clawpipe.errors import ConfigError, ManifestError, SandboxError, VerifierTimeoutError
 from clawpipe.sandbox.backends.base import Backend, SandboxJob, takes_own_uids
 from clawpipe.sandbox.bridge import Bridge, Route
 from clawpipe.sandbox.limits import Limits
@@ -48,6 +53,8 @@ PLACEHOLDER_KEY = "no-key-in-checks"  # what the check sees where a harness sees
 LOG_TAIL_CHARS = 1000
 MAX_LOG_READ = 1 << 20
 PRLIMIT = "/usr/bin/prlimit"  # util-linux, like the setpriv the bwrap backend needs
+LIMIT_SETTING = "CLAWPIPE_VERIFY_TIMEOUT_S"  # the setting (or run_rollouts' verify_timeout_s) a timeout names
+T = TypeVar("T")
 
 
 class Verifiable(Protocol):
@@ -277,6 +284,38 @@ def run_check(
         shutil.rmtree(vdir, ignore_errors=True)
 
 
+def within(limit_s: float | None, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``'s result (or what it raised) when it returns within ``limit_s`` seconds (None: no limit);
+    VerifierTimeoutError naming ``what``, the limit and its setting otherwise.
+
+    ``fn`` runs in a daemon thread of its own, never one of the runner's pools: a hung one is abandoned
+    there (Python cannot stop a thread), so it holds neither a rollout slot nor the batch's end.
+    """
+    if limit_s is None:
+        return fn()
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread, which decides
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name=f"verify-{what}"[:60], daemon=True).start()
+    if not done.wait(limit_s):
+        logger.warning("%s still running after %.4g s: left behind in its thread", what, limit_s)
+        raise VerifierTimeoutError(
+            f"{what} did not return within {limit_s:g} s ({LIMIT_SETTING}, or run_rollouts' verify_timeout_s): "
+            "no reward; make it return sooner or raise the limit"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]  # type: ignore[no-any-return]
+
+
 def verify_rollout(
     task_set: Verifiable,
     task: dict[str, Any],
@@ -286,6 +325,7 @@ def verify_rollout(
     scratch: Path | None = None,
     allow_unsafe: bool | None = None,
     uids: UidPool | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """(reward, reward_info) of the finished rollout whose work dir is ``workdir``.
 
@@ -294,15 +334,19 @@ def verify_rollout(
     :func:`check_backend`) and is scored on the host. ``scratch`` holds the check's folder while it runs
     (default: the system's temporary folder). A task whose data cannot make a check gets reward 0 with
     the reason. ``uids`` is where the check's sandbox takes its own uid (default: the settings' range).
+    ``timeout_s`` bounds each piece of the task set's own code run here (``verify``; ``check_program`` and
+    ``score``), not the sandboxed check, which its CheckProgram's limits bound (:func:`within`).
     """
+    what = f"the verifier of task set {task_set.name!r}"
     if not needs_sandbox(task_set):
-        return task_set.verify(task, workdir)
+        return within(timeout_s, what, lambda: task_set.verify(task, workdir))
     assert isinstance(task_set, SandboxedTaskSet)  # needs_sandbox checked it
+    sandboxed = task_set
     check_backend(backend.name, task_set.name, allow_unsafe)
     try:
-        program = task_set.check_program(task)
+        program = within(timeout_s, f"{what} (check_program)", lambda: sandboxed.check_program(task))
     except ManifestError as exc:
         return 0.0, {"reason": str(exc)}
     label = f"{task_set.name}-{task.get('task_id', '')}"
     run = run_check(backend, program, Path(workdir), scratch=scratch, label=label, uids=uids)
-    return task_set.score(task, run)
+    return within(timeout_s, f"{what} (score)", lambda: sandboxed.score(task, run))

@@ -136,8 +136,9 @@ def harness_view(task: dict[str, Any], task_set: object = None) -> dict[str, Any
 
 def data_view(task: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     """A copy of ``task`` whose ``data`` holds only ``keys`` (those present): a built-in set's harness view."""
-    data = task.get("data") if isinstance(task.get("data"), dict) else {}
-    return {**task, "data": {k: data[k] for k in keys if k in data}}
+    data = task.get("data")
+    kept = {k: data[k] for k in keys if k in data} if isinstance(data, dict) else {}
+    return {**task, "data": kept}
 
 
 def load_task(path: str | Path) -> dict[str, Any]:
