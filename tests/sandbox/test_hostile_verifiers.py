@@ -14,8 +14,12 @@ from typing import Any
 import pytest
 
 from clawpipe.config import get_settings
-from clawpipe.errors import ConfigError
+from clawpipe.errors import ConfigError, VerifierTimeoutError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
+from clawpipe.sandbox.backends import get_backend
+from clawpipe.sandbox.verify import verify_rollout
+from clawpipe.tasks.check import CheckRun
+from clawpipe.tasks.fixit import FixitTaskSet
 from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
 
 ANSWER = """
@@ -122,3 +126,28 @@ def test_the_limit_defaults_to_the_setting(tmp_path: Path, upstream: Upstream, m
 def test_a_limit_that_is_not_positive_is_refused(tmp_path: Path, upstream: Upstream) -> None:
     with pytest.raises(ConfigError, match="verify_timeout_s must be > 0"):
         run("process", ("ok",), tmp_path, upstream, verify_timeout_s=0)
+
+
+class StuckScore(FixitTaskSet):
+    """fixit, except that scoring the sandboxed check's result on the host never returns."""
+
+    def score(self, task: dict[str, Any], run: CheckRun) -> tuple[float, dict[str, Any]]:
+        release.wait()
+        return super().score(task, run)
+
+
+@pytest.mark.sandbox
+def test_a_sandboxed_checks_host_side_score_is_limited_too(tmp_path: Path) -> None:
+    stuck = StuckScore()
+    task = stuck.generate(1, seed=0)[0]
+    stuck.prepare(task, tmp_path)
+    backend = get_backend("bwrap")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(VerifierTimeoutError, match=r"'fixit' \(score\) did not return within 0.5 s"):
+            verify_rollout(stuck, task, tmp_path, backend, timeout_s=0.5)
+        # the check itself ran in its sandbox, outside the limit; only the hung score was cut short
+        assert time.monotonic() - t0 < 30
+        assert verify_rollout(FixitTaskSet(), task, tmp_path, backend, timeout_s=30)[0] == 0.0  # the bug is unfixed
+    finally:
+        backend.close()
