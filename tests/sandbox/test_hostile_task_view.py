@@ -15,6 +15,7 @@ from clawpipe.errors import ManifestError
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.tasks import get_task_set, harness_view
 from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
+from tests.support.upstream import ScriptedUpstream, say, tool_call
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
 CALC, FIXIT, GUESS, SAY = (get_task_set(n) for n in ("calc", "fixit", "guess", "say"))
@@ -174,3 +175,26 @@ def test_honest_harnesses_score_as_before(backend: str, upstream: Upstream, tmp_
     assert [(r.status, r.reward) for r in results] == [("succeeded", 1.0)] * len(tasks), [
         (r.error, r.reward_info, r.stderr_tail) for r in results
     ]
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+def test_reference_harnesses_score_as_before_through_the_runner(tmp_path: Path) -> None:
+    calc, guess, phrase = CALC.generate(1, seed=2)[0], GUESS.generate(1, seed=2)[0], SAY.generate(1, seed=2)[0]
+    expression, answer = calc["data"]["expression"], calc["data"]["answer"]
+    plays = [
+        ("tool-agent", calc, [tool_call("calculator", {"expression": expression}), say(f"The answer is {answer}.")]),
+        ("chat-loop", guess, [say(str(guess["data"]["target"]))]),  # the feedback needs the view's target
+        ("chat-loop", phrase, [say(phrase["data"]["phrase"])]),
+    ]
+    for i, (harness, task, script) in enumerate(plays):
+        with ScriptedUpstream(script) as up:
+            [r] = run_rollouts(
+                [RolloutSpec(run_id="r", iteration=0, harness=harness, task=task, model="tiny")],
+                proxy_url=up.url,
+                backend="bwrap",
+                results_path=tmp_path / "results.jsonl",
+                scratch_dir=tmp_path / f"scratch-{i}",
+                max_attempts=1,
+            )
+        assert (r.status, r.reward) == ("succeeded", 1.0), (harness, task["task_set"], r.error, r.reward_info)
