@@ -12,8 +12,10 @@ import os
 import secrets
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from clawpipe.errors import ConfigError
 
 
 class Settings(BaseSettings):
@@ -89,6 +91,14 @@ class Settings(BaseSettings):
         "matches one folder); default <home>/models and <home>/runs/*/checkpoints.",
     )
 
+    @field_validator("home")
+    @classmethod
+    def _home_is_a_folder(cls, value: Path) -> Path:
+        # a file here would surface much later as NotADirectoryError from whichever room first writes
+        if value.expanduser().exists() and not value.expanduser().is_dir():
+            raise ValueError(f"{str(value)!r} is a file, not a folder; point CLAWPIPE_HOME at a folder")
+        return value
+
     @property
     def root(self) -> Path:
         return self.home.expanduser().resolve()
@@ -148,7 +158,25 @@ def _stored_token(path: Path) -> str:
 
 @functools.lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    """The settings of this process; a ConfigError naming each bad ``CLAWPIPE_*`` variable otherwise."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise ConfigError(_describe_env(exc)) from None
+
+
+def _describe_env(exc: ValidationError) -> str:
+    """One line naming each environment variable whose value was refused, the value and why."""
+    from clawpipe.configfile import shown
+
+    parts = []
+    for err in exc.errors():
+        name = "CLAWPIPE_" + "_".join(str(x) for x in err["loc"]).upper()
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] != "value_error":
+            msg += f" (got {shown(err.get('input'))})"
+        parts.append(f"{name}: {msg}")
+    return "invalid environment: " + "; ".join(parts) + "; fix or unset these variables"
 
 
 def prepare_environment(settings: Settings | None = None) -> Settings:

@@ -8,6 +8,7 @@ model class. Users write TOML; both formats are read by the same function, chose
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
@@ -28,6 +29,8 @@ def read_values(path: str | Path, *, what: str, table: str | None = None) -> dic
         raise ConfigError(f"{what} {p} is a folder; pass a TOML or JSON file")
     if not p.is_file():
         raise ConfigError(f"{what} {p} does not exist; pass an existing TOML or JSON file")
+    if p.suffix.lower() in (".yaml", ".yml"):  # it would otherwise be parsed as TOML and fail on its first line
+        raise ConfigError(f"{what} {p} is YAML, which clawpipe does not read; write it as TOML (key = value) or JSON")
     try:
         text = p.read_text(encoding="utf-8")  # TOML is UTF-8 by definition, whatever the locale says
     except UnicodeDecodeError as exc:
@@ -54,7 +57,9 @@ def describe(exc: ValidationError, what: str, cls: type[BaseModel] | None = None
         msg = err["msg"].removeprefix("Value error, ")  # our own validators' messages name the value already
         if err["type"] == "extra_forbidden":
             known = _keys_at(cls, loc[:-1]) if cls is not None else []
-            msg = "unknown key" + (f"; the keys here are {', '.join(known)}" if known else "; check its spelling")
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1) if loc else []
+            msg = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
+            msg += f"; the keys here are {', '.join(known)}" if known else "; check its spelling"
         elif err["type"] != "value_error" and not isinstance(err.get("input"), dict | list):
             msg += f" (got {shown(err.get('input'))})"
         parts.append(f"{where}: {msg}" if where else msg)

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
+
+from clawpipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +134,55 @@ class MlflowTracker:
     def end(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status=status)
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
+    """Refuse a tracking URI that runs could not log to, before any work starts (MLflow itself retries an
+    unreachable server for minutes and fails only then, after the run's policy was built).
+
+    An http(s) server must answer its /health; a sqlite database or file store must sit in a folder this
+    process can write to. Other schemes (databases, Databricks) are left to MLflow."""
+    import urllib.parse
+
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        _check_server(uri, timeout_s)
+    elif parsed.scheme == "sqlite" and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
+        _check_writable(Path(uri.removeprefix("sqlite:///")).parent, uri)
+    elif parsed.scheme in ("", "file"):
+        _check_writable(Path(parsed.path if parsed.scheme else uri), uri)
+
+
+def _check_server(uri: str, timeout_s: float) -> None:
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            resp.read()
+    except urllib.error.HTTPError:
+        return  # it answered (an error status behind an auth proxy still means it is up)
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConfigError(
+            f"the MLflow tracking server {uri} does not answer ({reason}): start it (mlflow/server.sh HOST PORT), "
+            "or unset CLAWPIPE_MLFLOW_TRACKING_URI to track in <home>/mlflow.db"
+        ) from None
+
+
+def _check_writable(folder: Path, uri: str) -> None:
+    """``folder`` (made if missing) takes a new file; tried for real, since os.access says yes to root."""
+    fix = "choose a writable folder in CLAWPIPE_MLFLOW_TRACKING_URI, or unset it to track in <home>/mlflow.db"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".clawpipe-write-check-"):
+            pass
+    except OSError as exc:
+        # mkdir under a file says "File exists" or "Not a directory"; name the file instead
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is a file" if blocker else exc.strerror
+        raise ConfigError(f"MLflow tracking URI {uri}: cannot write in {folder} ({reason}); {fix}") from None
 
 
 def make_tracker(

@@ -11,6 +11,7 @@ a summary naming the MLflow run and the tree rendering.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import subprocess
@@ -21,6 +22,7 @@ from typing import Any
 
 from clawpipe.config import get_settings, prepare_environment
 from clawpipe.configfile import read_config
+from clawpipe.errors import ClawpipeError
 
 SETTINGS = prepare_environment()  # offline-safe Prefect/MLflow settings before either is imported
 
@@ -35,6 +37,7 @@ from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
 from clawpipe.pipeline.faults import inject_fault  # noqa: E402
 from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
 from clawpipe.pipeline.services import publish  # noqa: E402
+from clawpipe.pipeline.state import run_lock  # noqa: E402
 from clawpipe.pipeline.train_worker import close_worker  # noqa: E402
 
 # --- tasks: one library call each, retries declared here and nowhere else -------------------------------
@@ -247,11 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-out", help="write the final summary JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = read_config(PipelineConfig, args.config_file, what="pipeline config") if args.config_file else None
-    result = pipeline(cfg=cfg, run_id=args.run_id, resume=args.resume)
-    print(result["markdown"])
-    if args.summary_out:
-        Path(args.summary_out).write_text(json.dumps(result, indent=2, default=str))
+    with contextlib.ExitStack() as held:
+        try:
+            cfg = read_config(PipelineConfig, args.config_file, what="pipeline config") if args.config_file else None
+            held.enter_context(run_lock(SETTINGS.runs_dir, args.run_id))  # one process per run, to the end
+        except ClawpipeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        result = pipeline(cfg=cfg, run_id=args.run_id, resume=args.resume)
+        print(result["markdown"])
+        if args.summary_out:
+            Path(args.summary_out).write_text(json.dumps(result, indent=2, default=str))
     return 0
 
 

@@ -45,21 +45,72 @@ def run(
     from clawpipe.pipeline.config import load_config
     from clawpipe.pipeline.stages import check_prerequisites
     from clawpipe.pipeline.state import new_run_id
+    from clawpipe.tracking import check_tracking_uri
 
     cmd = [sys.executable, "-m", "flows.pipeline"]
+    if summary_out is not None:
+        _check_summary_out(summary_out)
+        cmd += ["--summary-out", str(summary_out)]
     if resume:
-        _check_resume(resume, get_settings().runs_dir)
-        cmd += ["--run-id", resume, "--resume"]
+        _check_resume(resume, get_settings().runs_dir, config=config, iterations=iterations, backend=backend, mode=mode)
     else:  # validated once here, before anything starts; the flow reads the same model back
         cfg = load_config(config, iterations=iterations, backend=backend, mode=mode)
         check_prerequisites(cfg)
         _check_policy(cfg.policy)
+    # the services the flow reports to, now rather than after its policy is built and its rollouts ran
+    env = _flows_env()
+    _check_prefect_api(env, needed_by=None)
+    check_tracking_uri(get_settings().tracking_uri)
+    if resume:
+        cmd += ["--run-id", resume, "--resume"]
+    else:
         run_id = new_run_id(cfg.run_name)
         path = write_config(cfg, get_settings().runs_dir / run_id / "config.json")
         cmd += ["--run-id", run_id, "--config-file", str(path)]
-    if summary_out is not None:
-        cmd += ["--summary-out", str(summary_out)]
-    raise typer.Exit(subprocess.call(cmd, env=_flows_env()))
+    raise typer.Exit(subprocess.call(cmd, env=env))
+
+
+def _check_prefect_api(env: dict[str, str], *, needed_by: str | None) -> None:
+    """Refuse at once when the Prefect API the child would use does not answer: without this the flow fails
+    with a traceback (or, for ``deploy``, registers on a temporary server that is gone when it returns).
+
+    ``needed_by`` names a command that cannot work on a temporary server; ``run`` falls back to one."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    from clawpipe.errors import ConfigError
+
+    url = env.get("PREFECT_API_URL", "").strip()
+    start = "start one with `prefect server start --host 127.0.0.1`"
+    if not url:
+        if needed_by is None:
+            return  # clawpipe run starts a temporary server of its own
+        raise ConfigError(
+            f"clawpipe {needed_by} needs a running Prefect server: {start}, "
+            "then pass --api-url http://127.0.0.1:4200/api or set PREFECT_API_URL"
+        )
+    fallback = "" if needed_by else ", or unset PREFECT_API_URL to run on a temporary server"
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=10) as resp:
+            resp.read()
+    except urllib.error.HTTPError:
+        return  # it answered (an error status behind an auth proxy still means it is up)
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConfigError(f"the Prefect API at {url} does not answer ({reason}): {start}{fallback}") from None
+
+
+def _check_summary_out(path: Path) -> None:
+    """The summary is written after the last iteration; a path it cannot be written to is refused now."""
+    from clawpipe.errors import ConfigError
+
+    if path.is_dir():
+        raise ConfigError(f"--summary-out {path} is a folder; give a file path such as {path / 'summary.json'}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--summary-out {path}: folder {path.parent} does not exist; create it first")
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"--summary-out {path}: folder {path.parent} is not writable; choose another path")
 
 
 def _check_policy(policy: str | None) -> None:
@@ -70,13 +121,25 @@ def _check_policy(policy: str | None) -> None:
         raise ConfigError(f"policy: {policy} has no config.json; give a saved transformers model directory")
 
 
-def _check_resume(run_id: str, runs_dir: Path) -> None:
+def _check_resume(run_id: str, runs_dir: Path, **overrides: object) -> None:
     """``--resume`` names a run of this home by its id, checked before the flow starts: a path (``../x``)
-    would resume whatever state file it reached, a typo would fail only once Prefect was up."""
-    from clawpipe.cli import check_run_id
-    from clawpipe.pipeline.state import RunState
+    would resume whatever state file it reached, a typo would fail only once Prefect was up.
 
+    A resumed run keeps the config it started with (its later iterations must train like its first), so
+    ``--config`` and the overrides are refused rather than silently ignored."""
+    from clawpipe.cli import check_run_id
+    from clawpipe.errors import ConfigError
+    from clawpipe.pipeline.state import RunState, run_lock
+
+    given = [f"--{name}" for name, value in overrides.items() if value is not None]
+    if given:
+        raise ConfigError(
+            f"--resume continues {run_id} with the config it started with; drop {', '.join(given)} "
+            f"(its config is {runs_dir / run_id / 'config.json'}), or start a new run without --resume"
+        )
     RunState.load(runs_dir, check_run_id(run_id, "--resume"))  # names the known runs when there is no such run
+    with run_lock(runs_dir, run_id):  # refused here, before Prefect starts, while another process runs it
+        pass
 
 
 def deploy(
@@ -96,13 +159,14 @@ def deploy(
     cfg = load_config(config)
     # harnesses and task sets now, not when the schedule first fires; the sandbox tool is the workers' to have
     check_prerequisites(cfg.model_copy(update={"backend": "process"}))
+    env = _flows_env()
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    _check_prefect_api(env, needed_by="deploy")
     handoff = write_config(cfg, Path(tempfile.mkdtemp(prefix="clawpipe-deploy-")) / "config.json")
     cmd = [sys.executable, "-m", "flows.deploy", "--pool", pool, "--name", name, "--config-file", str(handoff)]
     if cron:
         cmd += ["--cron", cron]
-    env = _flows_env()
-    if api_url:
-        env["PREFECT_API_URL"] = api_url
     raise typer.Exit(subprocess.call(cmd, env=env))
 
 
@@ -126,12 +190,15 @@ def worker(
     """
     from clawpipe.config import get_settings
     from clawpipe.pipeline.services import stop_host_proxies
+    from clawpipe.tracking import check_tracking_uri
 
     env = _flows_env()
     if api_url:
         env["PREFECT_API_URL"] = api_url
     if slots:
         env["CLAWPIPE_HOST_SLOTS"] = str(slots)
+    _check_prefect_api(env, needed_by="worker")
+    check_tracking_uri(get_settings().tracking_uri)  # the runs it takes log there
     setup = subprocess.run([sys.executable, "-m", "flows.rollout_shard", "limit"], env=env)
     if setup.returncode != 0:
         raise typer.Exit(setup.returncode)

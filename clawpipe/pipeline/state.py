@@ -3,15 +3,20 @@
 ``<home>/runs/<run_id>/state.json`` holds the config, the current policy (directory and version), the
 MLflow run id and one summary per completed iteration. It is rewritten atomically after each iteration,
 after that iteration's lake partitions and checkpoint exist, so it never points at missing data.
+``<home>/runs/<run_id>/run.lock`` is held (``flock``) by the process running the run, so the same run is
+never driven by two processes at once; the kernel drops it when that process dies, even by SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
 import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,3 +75,28 @@ def new_run_id(run_name: str) -> str:
     """``<name>-<UTC time>-<6 hex>``: readable, sorted by start, unique for runs started in one second."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', run_name)}-{stamp}-{secrets.token_hex(3)}"
+
+
+@contextlib.contextmanager
+def run_lock(runs_dir: Path, run_id: str) -> Iterator[None]:
+    """Hold ``run_id``'s lock for the block; a ConfigError at once when another process holds it.
+
+    Two processes resuming one run would both run its next iteration (its rollouts twice, two checkpoints
+    of one version), so the second is refused rather than made to wait behind a run of hours."""
+    path = runs_dir / run_id / "run.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(
+                f"run {run_id} is already running (process {holder}); wait for it to finish, or stop that "
+                f"process and then `clawpipe run --resume {run_id}`"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
