@@ -1,6 +1,6 @@
 """What a rollout is to the runner: the spec it runs, the result row it writes, and how a process tree's
 end becomes a rollout status, and how a verifier's reward and info are checked before they go into the row
-(clawpipe/sandbox/runner.py runs them)."""
+(clawpipe/sandbox/runner.py runs them; clawpipe/sandbox/conclude.py fills in the row)."""
 
 from __future__ import annotations
 

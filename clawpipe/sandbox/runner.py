@@ -7,6 +7,8 @@ the harness exits, and appends the row to the results JSONL (docs/ARCHITECTURE.m
 moment it is known, so nothing is lost if the batch dies. Only infra errors (a sandbox that would not
 start) are retried, up to ``max_attempts`` (the pipeline passes 1: its Prefect task retries the batch);
 :func:`clawpipe.sandbox.rollout.masked_groups` names GRPO groups that an infra failure left incomplete.
+What is checked before the batch starts lives in clawpipe/sandbox/precheck.py; how a rollout whose harness
+exited gets its status and reward, in clawpipe/sandbox/conclude.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -25,44 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.capture import append_result
-from clawpipe.errors import ConfigError, ManifestError, SandboxError, VerifierTimeoutError
+from clawpipe.errors import ConfigError, SandboxError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.base import Backend, Outcome, SandboxJob, takes_own_uids
-from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge, parse_proxy_url
+from clawpipe.sandbox.bridge import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Bridge
+from clawpipe.sandbox.conclude import conclude, score
 from clawpipe.sandbox.limits import sandbox_connection_cap
-from clawpipe.sandbox.manifest import HarnessManifest, find_harness, validate_task
-from clawpipe.sandbox.quota import (
-    INODES_PER_MB,
-    MIN_INODES,
-    mount_quota,
-    out_of_inodes,
-    over_quota,
-    quota_inodes,
-    release,
-    sweep_stale_mounts,
-)
-from clawpipe.sandbox.rollout import (
-    ProgressFn,
-    RolloutResult,
-    RolloutSpec,
-    TaskSetLike,
-    checked_reward,
-    classify,
-    now_iso,
-    plain_info,
-)
+from clawpipe.sandbox.manifest import HarnessManifest
+from clawpipe.sandbox.precheck import check_proxy, check_specs
+from clawpipe.sandbox.quota import mount_quota, release, sweep_stale_mounts
+from clawpipe.sandbox.rollout import ProgressFn, RolloutResult, RolloutSpec, TaskSetLike, now_iso
 from clawpipe.sandbox.uids import SHARED_USER, SandboxUser, UidLease, UidPool, default_pool
-from clawpipe.sandbox.verify import preflight, verify_rollout
-from clawpipe.sandbox.workdir import (
-    chown_tree,
-    ends_with_memory_error,
-    open_tree,
-    release_rollout_dir,
-    scrub_report,
-    scrub_workdir,
-    tail,
-)
+from clawpipe.sandbox.verify import preflight
+from clawpipe.sandbox.workdir import chown_tree, open_tree, release_rollout_dir, tail
 from clawpipe.schemas import RolloutStatus
 from clawpipe.tasks.base import harness_view
 
@@ -201,28 +178,16 @@ class _Batch:
                 break
         if outcome is not None and rdir is not None:
             try:
-                result.status = classify(outcome)
-                result.exit_code = outcome.exit_code
-                result.n_calls = outcome.requests
-                result.error = "; ".join(outcome.notes) or None
-                if over_quota(rdir, manifest.limits.disk_mb, outcome.signal):
-                    result.status = RolloutStatus.disk_quota  # its stderr may be cut short: the logs share the quota
-                    result.error = (
-                        f"work dir and logs reached the disk quota ([resources] disk_mb = {manifest.limits.disk_mb})"
-                    )
-                    if out_of_inodes(rdir):  # many empty files fill no bytes: say which limit it was
-                        result.error = (
-                            f"work dir and logs reached the disk quota's limit of "
-                            f"{quota_inodes(manifest.limits.disk_mb)} files ([resources] disk_mb = "
-                            f"{manifest.limits.disk_mb}; {INODES_PER_MB} files per MB, at least {MIN_INODES})"
-                        )
-                if outcome.refused:  # the sandbox flooded its own bridge: code in it (a policy's too) did that, so
-                    # the rollout is scored as a failure; as infra_error it would take its GRPO group out of training
-                    result.status = RolloutStatus.failed
-                result.stderr_tail = tail(rdir / "stderr.log")
-                if result.status == RolloutStatus.failed and ends_with_memory_error(result.stderr_tail):
-                    result.status = RolloutStatus.oom  # the rlimit fallback: Python raised MemoryError
-                self.score(result, spec, rdir / "work")
+                conclude(result, outcome, rdir, manifest.limits.disk_mb)
+                score(
+                    result,
+                    spec,
+                    rdir / "work",
+                    task_set=self.task_set,
+                    backend=self.backend,
+                    uids=self.uids,
+                    timeout_s=self.verify_timeout_s,
+                )
             except Exception as exc:  # our own failure on what the harness left: the rollout still gets its row
                 logger.exception("rollout=%s could not be concluded", spec.id)
                 result.status = RolloutStatus.infra_error
@@ -238,81 +203,6 @@ class _Batch:
             if self.keep_workdirs and rdir.is_dir():
                 result.workdir = str(rdir / "work")
         return result
-
-    def score(self, result: RolloutResult, spec: RolloutSpec, work: Path) -> None:
-        """Reward from the task set's verifier; a verifier that raises, or runs past ``verify_timeout_s``,
-        makes an infra error (not retried): neither says anything about the policy."""
-        removed = scrub_workdir(work)
-        try:
-            # Work-dir code runs only in a fresh sandbox of this backend, never here (clawpipe.sandbox.verify).
-            reward, info = verify_rollout(
-                self.task_set(spec.task["task_set"]),
-                spec.task,
-                work,
-                self.backend,
-                uids=self.uids,
-                timeout_s=self.verify_timeout_s,
-            )
-            reward = checked_reward(reward)
-            if removed:
-                info = {**info, **scrub_report(removed)}
-            result.reward = reward
-            result.reward_info = json.dumps(plain_info(info), default=str, allow_nan=False)
-        except VerifierTimeoutError as exc:
-            logger.error("rollout=%s: %s", spec.id, exc)
-            result.status = RolloutStatus.infra_error
-            result.error = str(exc)
-        except Exception as exc:
-            logger.exception("rollout=%s verifier failed", spec.id)
-            result.status = RolloutStatus.infra_error
-            result.error = f"verifier of {spec.task['task_set']!r} raised {type(exc).__name__}: {exc}"
-
-
-def _check_specs(specs: list[RolloutSpec], harness_dirs: list[Path] | None) -> dict[int, HarnessManifest]:
-    """Validate every spec (manifest, task, ids) before anything runs; return the manifest per spec index."""
-    cache: dict[str, HarnessManifest] = {}
-    out: dict[int, HarnessManifest] = {}
-    seen: set[tuple[str, int, str]] = set()
-    for i, spec in enumerate(specs):
-        if isinstance(spec.harness, HarnessManifest):
-            manifest = spec.harness
-        else:
-            if spec.harness not in cache:
-                cache[spec.harness] = find_harness(spec.harness, harness_dirs)
-            manifest = cache[spec.harness]
-        validate_task(spec.task, f"rollout {i} task")
-        for ro in manifest.ro_paths:
-            if not ro.exists():
-                raise ManifestError(
-                    f"harness {manifest.name!r} needs {ro} (sandbox.ro_paths) but it does not exist; install it first"
-                )
-        if manifest.task_sets and spec.task["task_set"] not in manifest.task_sets:
-            raise ManifestError(
-                f"harness {manifest.name!r} supports task sets {list(manifest.task_sets)}, "
-                f"not {spec.task['task_set']!r} (add it to task_sets in its harness.toml)"
-            )
-        for name, value in (("run_id", spec.run_id), ("rollout_id", spec.id)):
-            if not value or "/" in value or "\x1f" in value or value.startswith("."):
-                raise ConfigError(f"rollout {i}: {name}={value!r} must be non-empty, without '/', not start with '.'")
-        ident = (spec.run_id, spec.iteration, spec.id)
-        if ident in seen:
-            raise ConfigError(
-                f"rollout {i}: duplicate rollout id {spec.id!r} in run {spec.run_id} iteration {spec.iteration}"
-            )
-        seen.add(ident)
-        out[i] = manifest
-    return out
-
-
-def check_proxy(proxy_url: str, timeout_s: float = 3.0) -> None:
-    """Fail fast, before any sandbox starts, when nothing listens at the proxy's address."""
-    host, port = parse_proxy_url(proxy_url)
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise SandboxError(
-            f"nothing answers at the proxy {proxy_url} ({exc}); start it first (clawpipe proxy --upstream URL)"
-        ) from exc
 
 
 def default_results_path(run_id: str, iteration: int, batch: str, captures_dir: Path | None = None) -> Path:
@@ -347,7 +237,7 @@ def iter_rollouts(
     """Run rollouts and yield each result as it finishes (order of completion). See :func:`run_rollouts`."""
     spec_list = list(specs)
     dirs = [Path(d) for d in harness_dirs] if harness_dirs is not None else None
-    manifests = _check_specs(spec_list, dirs)
+    manifests = check_specs(spec_list, dirs)
     if concurrency < 1 or max_attempts < 1:
         raise ConfigError(f"concurrency and max_attempts must be >= 1, got {concurrency} and {max_attempts}")
     if verify_timeout_s is not None and not verify_timeout_s > 0:
