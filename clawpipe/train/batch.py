@@ -70,6 +70,9 @@ class TrainBatch:
     contrib: Contributions
     sequences: list[tuple[int, TrainSequence]]  # (tree index, sequence) in global sequence order
     stats: dict[str, float] = field(default_factory=dict)
+    # rollouts of the trained groups with no token to train (every answer empty): outcomes of the same policy,
+    # so their rewards still count in their group's baseline
+    untrained: list[RolloutInfo] = field(default_factory=list)
 
     @property
     def unique_tokens(self) -> int:
@@ -287,7 +290,8 @@ def build_batch(
         coef=np.zeros(len(rollout_idx), dtype=np.float64),
     )
     stats["contributions_dropped_first_token"] = dropped_first
-    batch = TrainBatch(kept, infos, harnesses, contrib, sequences, stats)
+    untrained = [rollouts[r] for r in sorted(rewards) if keys[r] not in skip_groups and r not in r_index]
+    batch = TrainBatch(kept, infos, harnesses, contrib, sequences, stats, untrained)
     batch.contrib.coef = aggregation_coefficients(batch, config)
     if config.algorithm == "grpo":
         batch.contrib.adv = grpo_advantages(batch, config).astype(np.float32)
@@ -301,8 +305,9 @@ def build_batch(
 def grpo_advantages(batch: TrainBatch, config: TrainConfig) -> np.ndarray:
     """Per-contribution advantage for GRPO's outcome or TreeRL tree modes."""
     c = batch.contrib
-    rewards = {i.rollout_id: float(i.reward) for i in batch.rollouts}
-    keys = {i.rollout_id: adv_mod.group_key(i, config.group_by) for i in batch.rollouts}
+    members = [*batch.rollouts, *batch.untrained]  # the baseline is the whole group's
+    rewards = {i.rollout_id: float(i.reward) for i in members}
+    keys = {i.rollout_id: adv_mod.group_key(i, config.group_by) for i in members}
     if config.advantage == "outcome":
         per = adv_mod.outcome_advantages(rewards, keys, scale_std=config.scale_std, leave_one_out=config.leave_one_out)
         table = np.asarray([per[i.rollout_id] for i in batch.rollouts], dtype=np.float64)

@@ -105,6 +105,20 @@ def test_an_empty_completion_trains_zero_tokens_and_is_counted() -> None:
     batch = build_batch([tree], infos, make_config(), policy_version=None)
     assert batch.stats["sequences_no_generated_tokens"] == 1 and len(batch.sequences) == 2
     assert all(len(s.gen_positions) > 0 for _, s in batch.sequences)
-    assert sorted(i.rollout_id for i in batch.rollouts) == ["ar1", "ar2"] and np.isfinite(batch.contrib.adv).all()
+    assert sorted(i.rollout_id for i in batch.rollouts) == ["ar1", "ar2"]
+    # its rollout's reward still counts in its group's baseline: the others' advantages are r - mean(all three)
+    assert sorted(set(np.round(batch.contrib.adv, 4).tolist())) == [-0.5, 0.0]
     metrics = Trainer(tiny_model(), make_config()).step(batch)
+    assert metrics["tokens/trained"] == 8 and finite(metrics)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(scale_std=True), dict(advantage="tree_local_global")])
+def test_a_group_whose_only_low_reward_answered_nothing_still_teaches_the_others(options: dict) -> None:
+    """The rollout that answered nothing scored 0 and the two that answered 1: the answers are better than
+    the group's mean, not advantage-free as they would be against a baseline of their own two rewards."""
+    tree, infos = group("a", [0.0, 1.0, 1.0], lengths=[0, 4, 4])
+    batch = build_batch([tree], infos, make_config(**options), policy_version=None)
+    assert batch.stats["groups_skipped_zero_variance"] == 0 and [i.rollout_id for i in batch.untrained] == ["ar0"]
+    assert len(batch.contrib) == 8 and (batch.contrib.adv > 0.1).all(), batch.contrib.adv
+    metrics = Trainer(tiny_model(), make_config(**options)).step(batch)
     assert metrics["tokens/trained"] == 8 and finite(metrics)
