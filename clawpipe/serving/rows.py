@@ -41,7 +41,9 @@ class Row:
         p = self.request.params
         if not p.shaped:
             return None
-        banned = stop_ids if self.n_generated < p.min_tokens and not p.ignore_eos else None
+        banned = None
+        if self.n_generated < p.min_tokens:  # as vLLM: neither EOS nor a stop_token_ids id before min_tokens
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else stop_ids)]
         force = p.forced[self.n_generated] if self.n_generated < len(p.forced) else None
         return Shaping(
             force=force,

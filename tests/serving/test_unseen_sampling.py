@@ -150,6 +150,9 @@ def test_stop_token_ids_end_a_choice_with_the_id_kept_and_its_text_left_out(serv
     assert choice["token_ids"] == ids[: k + 1] and choice["finish_reason"] == "stop"
     assert choice["stop_reason"] == ids[k]  # vLLM's stop_reason: the id
     assert choice["message"]["content"] == tok.decode(ids[:k])
+    # min_tokens holds a stop_token_ids id off as it holds EOS off
+    held = post(server, "chat", {**body, "stop_token_ids": [ids[k]], "min_tokens": k + 2}).json()["choices"][0]
+    assert held["token_ids"][:k] == ids[:k] and ids[k] not in held["token_ids"][: k + 2], held
     r = post(server, "chat", {**body, "stop_token_ids": [10**9]})
     assert r.status_code == 400 and "stop_token_ids must be in [0, " in error_message("chat", r)
     r = post(server, "chat", {**body, "stop_token_ids": "5"})
