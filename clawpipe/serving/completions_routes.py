@@ -170,7 +170,11 @@ class CompletionsRoutes(Routes):
                             "token_ids": c.token_ids[start:],
                         }
                     )
-                yield sse({**base, "choices": out})
+                chunk = {**base, "choices": out}
+                opts = body.get("stream_options") or {}
+                if opts.get("include_usage") and opts.get("continuous_usage_stats"):  # vLLM's running count
+                    chunk["usage"] = self._usage(prompts, [c for cs in choices for c in cs])
+                yield sse(chunk)
         if (body.get("stream_options") or {}).get("include_usage"):
             yield sse({**base, "choices": [], "usage": self._usage(prompts, [c for cs in choices for c in cs])})
         yield b"data: [DONE]\n\n"

@@ -134,7 +134,10 @@ class ChatRoutes(Routes):
                     deltas.append(d)
                     if c.finish_reason is not None:
                         tails.append(c)
-                yield sse({**base, "choices": deltas})
+                chunk = {**base, "choices": deltas}
+                if opts.get("include_usage") and opts.get("continuous_usage_stats"):
+                    chunk["usage"] = self.usage(len(prompt), choices)  # vLLM's running count, in every chunk
+                yield sse(chunk)
                 for c in tails:
                     content, calls = c.finish()
                     self.keep_turn(prompt, c, calls)
