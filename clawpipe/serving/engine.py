@@ -396,7 +396,11 @@ class Engine:
             events.setdefault(id(row.request), (row.request, []))[1].append(row.events())
         for req, per_row in events.values():
             # round k holds each row's k-th event: a chunk never carries two deltas of one choice
-            rounds = [[ev for ev in evs if ev is not None] for evs in itertools.zip_longest(*per_row)]
+            if all(len(evs) <= 1 for evs in per_row):  # the common case: at most one id per row this step
+                first = [evs[0] for evs in per_row if evs]
+                rounds = [first] if first else []
+            else:
+                rounds = [[ev for ev in evs if ev is not None] for evs in itertools.zip_longest(*per_row)]
             req.finished += sum(1 for evs in per_row for ev in evs if ev.finish_reason is not None)
             if req.params.stream:
                 for evs in rounds:

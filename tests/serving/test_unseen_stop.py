@@ -92,6 +92,7 @@ def test_a_streamed_chat_stop_string_across_tokens_never_sends_its_tokens(server
         assert len({ch["index"] for ch in ev["choices"]}) == len(ev["choices"])
     assert ids == reply["ids"][:j] and text == reply["ends"][j - 1] and lps == pytest.approx(reply["logprobs"][:j])
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == j
+    assert all(ev["choices"] for ev in events[:-1])  # a step whose ids are all held back sends no chunk
 
 
 @pytest.mark.parametrize("stream", [False, True])
