@@ -12,10 +12,12 @@ URI comes from clawpipe.config (sqlite under the project home unless CLAWPIPE_ML
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import math
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,7 +80,8 @@ class MlflowTracker:
         self._mlflow = mlflow
         self.tracking_uri = tracking_uri or get_settings().tracking_uri
         self.experiment = experiment
-        self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        with _store_lock(self.tracking_uri):
+            self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id: str | None = None
         self._logged: dict[str, str] = {}
 
@@ -134,6 +137,21 @@ class MlflowTracker:
     def end(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status=status)
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """Make one client at a time of a sqlite store: the first client of a new database creates its tables,
+    and two processes doing so at once (two runs started together on a fresh home) clash, one failing
+    with ``duplicate column name``. A lock file beside the database, held with ``flock``, orders them."""
+    if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
