@@ -182,3 +182,11 @@ def test_vllm_fields_whose_answer_the_engine_cannot_give_are_a_400(
 def test_neutral_values_of_those_vllm_fields_are_accepted(server: Any) -> None:
     neutral = {"use_beam_search": False, "best_of": 2, "n": 2, "include_stop_str_in_output": False}
     assert post(server, "chat", {**HI, **neutral}).status_code == 200
+
+
+def test_max_completion_tokens_is_read_before_max_tokens(server: Any) -> None:
+    base = {"messages": MSGS, "ignore_eos": True}
+    assert len(ids_of(post(server, "chat", {**base, "max_completion_tokens": 3}))) == 3
+    assert len(ids_of(post(server, "chat", {**base, "max_completion_tokens": 2, "max_tokens": 5}))) == 2
+    r = post(server, "chat", {**base, "max_completion_tokens": "3"})
+    assert r.status_code == 400 and "'max_completion_tokens' must be an integer" in error_message("chat", r)
