@@ -240,3 +240,39 @@ def test_a_toml_syntax_error_gives_its_line(tmp_path: Path, toml: str, wanted: s
     p.write_text(toml)
     out = _cli(["run", "--config", str(p)], tmp_path / "home")
     _one_line_refusal(out, f"{p} is not valid TOML", wanted)
+
+
+@pytest.mark.parametrize(
+    ("args", "wanted"),
+    [
+        (["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--capture-dir", "{file}"], "{file} is a file"),
+        (["model", "init", "{file}"], "{file} is a file where a folder is needed"),
+        (["model", "init", "{file}/réseau policy"], "{file} is a file where a folder is needed"),
+        (["land", "--lake", "{file}"], "{file} is a file where a folder is needed"),
+        (["harness", "check", "chat-loop", "--transcript", "{missing}"], "No such file or directory: {missing}"),
+    ],
+)
+def test_a_path_that_is_a_file_or_missing_is_one_line_naming_it(tmp_path: Path, args: list[str], wanted: str) -> None:
+    # before: FileExistsError, NotADirectoryError or FileNotFoundError tracebacks
+    blocker = tmp_path / "dir with space" / "a file"
+    blocker.parent.mkdir()
+    blocker.write_text("x")
+    names = {"file": str(blocker), "missing": str(tmp_path / "nowhere" / "t.json")}
+    out = _cli([a.format(**names) for a in args], tmp_path / "home", timeout=60)
+    _one_line_refusal(out, wanted.format(**names), "check the path given")
+
+
+def test_publish_to_a_server_that_is_not_there_says_so(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    out = _cli(["model", "publish", str(tmp_path), "--policy-version", "1", "--url", url], tmp_path / "home")
+    _one_line_refusal(out, f"nothing answers at {url}", "clawpipe serve --model DIR")
+
+
+def test_serving_a_model_id_that_is_not_cached_fails_at_once(tmp_path: Path) -> None:
+    # before: the hub download was retried with backoff for over a minute (the engine runs offline)
+    start = time.monotonic()
+    out = _cli(["serve", "--model", "no-such-org/no-such-model", "--port", "0"], tmp_path / "home", timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "error: cannot load a tokenizer from no-such-org/no-such-model" in out.stderr
+    assert "Retrying" not in out.stderr
+    assert time.monotonic() - start < 60

@@ -7,9 +7,11 @@ heavy code inside the command body, so ``clawpipe --help`` stays fast.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
 import logging
+from pathlib import Path
 
 import typer
 
@@ -58,7 +60,8 @@ _register_rooms()
 
 
 def main() -> None:
-    """Console-script entry point: turns ClawpipeError into a one-line message and exit code 2."""
+    """Console-script entry point: turns ClawpipeError (and an OSError on a path) into a one-line message and
+    exit code 2."""
     from clawpipe.errors import ClawpipeError
 
     try:
@@ -66,3 +69,19 @@ def main() -> None:
     except ClawpipeError as exc:
         typer.secho(f"error: {exc}", err=True, fg="red")
         raise SystemExit(2) from exc
+    except OSError as exc:  # a path given that is a file, missing or not writable, met past a command's own checks
+        logging.getLogger(__name__).debug("command failed", exc_info=True)
+        typer.secho(f"error: {_path_problem(exc)}; check the path given (-v for details)", err=True, fg="red")
+        raise SystemExit(2) from exc
+
+
+def _path_problem(exc: OSError) -> str:
+    """What went wrong with the path of ``exc``: a file standing where a folder is needed is named itself."""
+    if exc.filename is None:
+        return str(exc)
+    path = Path(str(exc.filename))
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return f"{blocker} is a file where a folder is needed"
+    return f"{exc.strerror or exc}: {path}"

@@ -39,10 +39,18 @@ def model_publish(
         reload_vllm_weights(url, dir, served_dir)
         typer.echo(f"vLLM at {url} reloaded weights from {dir}")
         return
+    import httpx
+
     from clawpipe.config import get_settings
+    from clawpipe.errors import ServingError
     from clawpipe.serving.client import request_reload
 
-    answer = request_reload(url, dir.resolve(), policy_version, get_settings().admin())
+    try:
+        answer = request_reload(url, dir.resolve(), policy_version, get_settings().admin())
+    except httpx.TransportError as exc:
+        raise ServingError(
+            f"nothing answers at {url} ({exc}); start the server first (clawpipe serve --model DIR) or pass --url"
+        ) from None
     typer.echo(f"serving {answer['path']} as policy_version {answer['policy_version']}")
 
 
@@ -127,6 +135,9 @@ def serve(
         raise typer.Exit(start_vllm(opts).wait())
     if engine != "local":
         raise typer.BadParameter("--engine must be local or vllm")
+    from clawpipe.config import prepare_environment
+
+    prepare_environment()  # offline: a model id that is not cached fails at once instead of retrying downloads
     from clawpipe.serving.server import run_server
 
     run_server(
