@@ -67,7 +67,17 @@ def run(
         run_id = new_run_id(cfg.run_name)
         path = write_config(cfg, get_settings().runs_dir / run_id / "config.json")
         cmd += ["--run-id", run_id, "--config-file", str(path)]
-    raise typer.Exit(subprocess.call(cmd, env=env))
+    raise typer.Exit(_run_forwarding_signals(cmd, env))
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the flow process to its end, passing SIGTERM on: a ``kill`` of ``clawpipe run`` alone would
+    otherwise leave the flow running on, orphaned, its run still locked. Ctrl-C reaches the flow from the
+    terminal itself; this process waits for it to stop rather than exit first."""
+    proc = subprocess.Popen(cmd, env=env)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return proc.wait()
 
 
 def _check_prefect_api(env: dict[str, str], *, needed_by: str | None) -> None:

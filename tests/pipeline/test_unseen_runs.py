@@ -4,6 +4,7 @@ never takes a new config, and a run whose process was SIGKILLed can be resumed a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -121,3 +122,57 @@ def test_a_resume_with_a_new_config_is_refused_not_ignored(tmp_path: Path, extra
     assert f"--resume continues {RUN_ID} with the config it started with; drop {flags}" in out.stderr
     assert "Traceback" not in out.stderr
     assert json.loads(state_file.read_text())["config"] == {"backend": "process"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.slow
+def test_a_terminated_clawpipe_run_stops_its_flow_and_leaves_the_run_resumable(tmp_path: Path) -> None:
+    # before: SIGTERM ended the clawpipe process alone; the flow ran on, orphaned, holding the run's lock
+    home = tmp_path / "home"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawpipe", "run", "--backend", "process", "--iterations", "5"],
+        cwd=ROOT,
+        env=_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        flow_pid = None
+        while time.monotonic() < deadline and flow_pid is None:
+            assert proc.poll() is None
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            flow_pid = next((int(c) for c in children if b"flows.pipeline" in _cmdline(int(c))), None)
+            time.sleep(0.2)
+        assert flow_pid is not None, "clawpipe run never started its flow process"
+        under_way = time.monotonic() + 30
+        while time.monotonic() < under_way and not any(p.read_text() for p in home.glob("runs/*/run.lock")):
+            time.sleep(0.2)  # the flow is under way once it holds its run's lock
+        proc.send_signal(signal.SIGTERM)  # to clawpipe run alone, as `kill PID` does
+        assert proc.wait(timeout=120) != 0
+        deadline = time.monotonic() + 45  # five iterations take minutes: only a stopped flow ends in time
+        while time.monotonic() < deadline and _alive(flow_pid):
+            time.sleep(0.2)
+        assert not _alive(flow_pid), "the flow process outlived clawpipe run"
+        (lock,) = home.glob("runs/*/run.lock")
+        with run_lock(home / "runs", lock.parent.name):  # free: the run can be resumed
+            pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the run's process group
+        proc.wait()
