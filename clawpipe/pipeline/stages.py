@@ -49,6 +49,8 @@ def open_run(
         check_prerequisites(PipelineConfig.model_validate(state.config))
         return state
     cfg = cfg or PipelineConfig()
+    if run_id and (settings.runs_dir / run_id / "state.json").is_file():  # a new run must not overwrite a run
+        raise ConfigError(f"run {run_id} exists already; continue it with --resume {run_id}, or start a new run")
     check_prerequisites(cfg)
     run_id = run_id or new_run_id(cfg.run_name)
     state = RunState(run_id=run_id, config=cfg.model_dump(), policy_dir=str(ensure_policy(cfg, settings)))

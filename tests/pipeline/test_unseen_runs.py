@@ -176,3 +176,18 @@ def test_a_terminated_clawpipe_run_stops_its_flow_and_leaves_the_run_resumable(t
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the run's process group
         proc.wait()
+
+
+def test_a_new_run_under_an_existing_run_id_is_refused_not_overwritten(tmp_path: Path) -> None:
+    from clawpipe.config import Settings
+    from clawpipe.pipeline.config import PipelineConfig
+    from clawpipe.pipeline.stages import open_run
+
+    home = tmp_path / "home"
+    state_file = _saved_run(home)
+    before = state_file.read_bytes()
+    settings = Settings(home=home)
+    cfg = PipelineConfig(backend="process", iterations=3)
+    with pytest.raises(ConfigError, match=f"run {RUN_ID} exists already; continue it with --resume {RUN_ID}"):
+        open_run(settings, cfg, run_id=RUN_ID, resume=False, git_revision="x")
+    assert state_file.read_bytes() == before
