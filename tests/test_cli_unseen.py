@@ -276,3 +276,13 @@ def test_serving_a_model_id_that_is_not_cached_fails_at_once(tmp_path: Path) -> 
     assert "error: cannot load a tokenizer from no-such-org/no-such-model" in out.stderr
     assert "Retrying" not in out.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("command", [["lake", "check"], ["lake", "compact"]], ids=" ".join)
+def test_a_mistyped_lake_is_refused_not_audited_or_created(tmp_path: Path, command: list[str]) -> None:
+    # before: `lake check` passed every audit on no data and `lake compact` created the folder, both exit 0
+    lake = tmp_path / "no such lake" / "réseau"
+    out = _cli([*command, "--lake", str(lake)], tmp_path / "home")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no lake there" in out.stderr and "audits passed" not in out.stdout
+    assert not lake.exists()

@@ -267,6 +267,8 @@ def register(app: typer.Typer) -> None:
         from clawpipe.errors import ClawpipeError
         from clawpipe.lake import run_audits
 
+        if lake is not None:  # a mistyped --lake would pass every audit on no data
+            _check_lake(lake)
         try:
             results = run_audits(_lake_root(lake))
         except ClawpipeError as exc:
@@ -294,6 +296,8 @@ def register(app: typer.Typer) -> None:
         from clawpipe.errors import ClawpipeError
         from clawpipe.lake import compact
 
+        if lake is not None:  # a mistyped --lake would be created empty and "compacted"
+            _check_lake(lake)
         try:
             r = compact(_lake_root(lake), min_files=min_files)
         except ClawpipeError as exc:
