@@ -93,11 +93,20 @@ class MlflowTracker:
             existing = self.client.get_run(mlflow_run_id).data.params
             self._logged = dict(existing)
             return mlflow_run_id
-        exp = self.client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
-        run = self.client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+        run = self.client.create_run(self._experiment_id(), run_name=run_name, tags=dict(tags or {}))
         self.run_id = run.info.run_id
         return self.run_id
+
+    def _experiment_id(self) -> str:
+        """The experiment's id, created on first use; under the store's lock, so runs started together on a
+        fresh home do not both create it (the second would fail: the name exists)."""
+        with _store_lock(self.tracking_uri):
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is not None:
+                return str(exp.experiment_id)
+            return str(
+                self.client.create_experiment(self.experiment, artifact_location=_artifact_root(self.tracking_uri))
+            )
 
     def _require_run(self) -> str:
         if self.run_id is None:
@@ -152,6 +161,14 @@ def _store_lock(uri: str) -> Iterator[None]:
     with open(db.with_name(db.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts of a sqlite store's experiments go beside the database (``<home>/mlartifacts``), not into the
+    ``mlruns`` folder of whichever directory the run was started from; a server keeps its own default."""
+    if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:

@@ -1,6 +1,7 @@
 """Runs started together on a fresh home share one MLflow sqlite store: the first client of each process
-would create its tables at once with the others (one failing with ``duplicate column name``); they are made
-one at a time, so every run gets its MLflow run."""
+would create its tables at once with the others (one failing with ``duplicate column name``), and each would
+create the experiment; they do so one at a time, so every run gets its MLflow run, in one experiment whose
+artifacts go under the home."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def test_runs_started_together_on_a_fresh_store_each_get_their_mlflow_run(tmp_pa
     client = mlflow.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("together")
     assert experiment is not None
+    # beside the database, not in an mlruns folder of the directory the processes ran in (ROOT here)
+    assert experiment.artifact_location == (home / "mlartifacts").resolve().as_uri()
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.run_name for r in runs) == [f"run-{i}" for i in range(PROCESSES)]
     assert sorted(r.info.run_id for r in runs) == sorted(out.strip() for out, _ in outs)
