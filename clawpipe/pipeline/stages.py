@@ -216,7 +216,7 @@ def run_rollouts(
     row in this batch's results file is not run again. One that was cut off has calls captured under its
     old rollout id but no result row; on attempt N > 1 of the batch (counted on disk) it runs again as
     ``<id>.a<N>`` in the same GRPO group, so the cut-off calls never mix into the new rollout's tree (they
-    stay visible to the ``calls_without_rollout`` audit).
+    stay in ``model_calls``; the ``calls_without_rollout`` audit leaves out an attempt that ran again).
     """
     import dataclasses
 

@@ -291,6 +291,27 @@ def test_audits_return_the_offending_rows(tmp_path: Path) -> None:
     assert [x["rollout_id"] for x in r["succeeded_without_reward"]] == ["r2"]
 
 
+def test_calls_of_a_cut_off_attempt_that_ran_again_are_not_orphans(tmp_path: Path) -> None:
+    """A kill cuts attempt 1 of rollout r1 and attempt 2 of r2 (calls, no result row); the resumed batch runs
+    them again as r1.a2 and r2.a3. Their calls are not reported; a cut-off attempt that never ran again, one
+    whose only later row is of another iteration, and an attempt newer than every row still are."""
+    root = tmp_path / "lake"
+    _write(
+        root,
+        "rollouts",
+        [
+            _rollout("r1.a2"),
+            _rollout("r2.a3"),
+            _rollout("r3.a2", it=1),
+            _rollout("r4.a2", status="infra_error", reward=None),
+        ],
+    )
+    calls = [_call("c1", "r1"), _call("c2", "r2.a2"), _call("c3", "r3"), _call("c4", "r4.a3"), _call("c5", "r5")]
+    _write(root, "model_calls", calls)
+    r = run_audits(root)["calls_without_rollout"].to_pylist()
+    assert [x["call_id"] for x in r] == ["c3", "c4", "c5"]
+
+
 ATTACKS = [
     # writes and DDL
     "insert into model_calls (call_id) values ('x')",
