@@ -274,7 +274,17 @@ def check_transcript(path: Path, task_set_name: str) -> bool:
         for problem in problems:
             typer.secho(f"    {problem}", fg="red")
         if data is not None and not needs_sandbox(ts):  # a verifier that runs work-dir code never runs here
-            reward, info = ts.verify(task, workdir)
+            from clawpipe.config import get_settings
+            from clawpipe.errors import VerifierTimeoutError
+            from clawpipe.sandbox.verify import within
+
+            try:  # under the rollouts' limit: a hung verifier must not hang the check
+                reward, info = within(
+                    get_settings().verify_timeout_s, f"{ts.name}'s verifier", lambda: ts.verify(task, workdir)
+                )
+            except VerifierTimeoutError as exc:
+                typer.secho(f"    {exc}", fg="red")
+                return False
             typer.echo(f"    on {task['task_id']}: reward {reward:.3f} {json.dumps(info)[:300]}")
     return not problems
 

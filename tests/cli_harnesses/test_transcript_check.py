@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from clawpipe.cli import app
@@ -71,3 +73,29 @@ def test_a_task_set_that_reads_only_final_requires_final_and_ignores_turns(tmp_p
     assert "transcript vs say: Transcript contract: ``final`` only" in output and ": reward " in output
     code, output = check(tmp_path, {"turns": [{"reply": "x"}]}, "say")
     assert code == 1 and "`final` must be a string: the harness's last reply" in output
+
+
+def test_a_verifier_that_never_returns_is_cut_at_the_verify_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check scores a sample with the task set's verifier under CLAWPIPE_VERIFY_TIMEOUT_S, as rollouts are
+    scored: a verifier that hangs makes the check fail naming the limit, instead of hanging the command."""
+    from clawpipe.config import get_settings
+
+    release = threading.Event()
+
+    def hang(self: object, task: object, workdir: Path) -> tuple[float, dict[str, object]]:
+        release.wait(60)
+        return 1.0, {}
+
+    monkeypatch.setattr(type(get_task_set("guess")), "verify", hang)
+    monkeypatch.setenv("CLAWPIPE_VERIFY_TIMEOUT_S", "0.5")
+    get_settings.cache_clear()
+    try:
+        sample = {"turns": [{"reply": "50", "answer": "50"}], "final": "50"}
+        code, output = check(tmp_path, sample, "guess")
+    finally:
+        release.set()
+        get_settings.cache_clear()
+    assert code == 1, output
+    assert "guess's verifier did not return within 0.5 s (CLAWPIPE_VERIFY_TIMEOUT_S" in output, output
