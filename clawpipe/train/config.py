@@ -168,7 +168,9 @@ class TrainConfig(BaseModel):
         description="Rollout statuses left out of training (their sequences dropped and counted).",
     )
     include_retokenized: bool = Field(
-        False, description="Also train on calls whose ids were re-encoded by the proxy (token_source=retokenized)."
+        False,
+        description="Must stay false: calls whose ids the proxy re-encoded (token_source=retokenized) are kept "
+        "out of the trees, since those ids may not be the ones the policy sampled, so they are never trained.",
     )
     exclude_side_calls_harnesses: list[str] = Field(
         default_factory=list,
@@ -216,6 +218,12 @@ class TrainConfig(BaseModel):
             raise ValueError("lora_rank > 0 trains on one process: set nproc = 1 (or lora_rank = 0 to shard)")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("nnodes > 1 needs rdzv_endpoint = 'HOST:PORT' (reachable from every node)")
+        if self.include_retokenized:
+            raise ValueError(
+                "include_retokenized = true is not supported: re-encoded calls are kept out of the trees (their ids "
+                "may not be the ones sampled), so they would never be trained; serve through an engine that returns "
+                "token ids (clawpipe serve, vLLM with return_token_ids), or leave it false"
+            )
         bad = {k: v for k, v in self.harness_weights.items() if v < 0}
         if bad:
             raise ValueError(f"harness_weights must be >= 0; got {bad}")

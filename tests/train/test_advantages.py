@@ -162,6 +162,8 @@ def test_config_errors_say_what_to_change(tmp_path):
         make_config(aggregation="sum")
     with pytest.raises(ConfigError, match="epochs"):
         make_config(epochs=10**9)  # would train one batch for ever
+    with pytest.raises(ConfigError, match="include_retokenized = true is not supported"):
+        make_config(include_retokenized=True)  # re-encoded calls never enter a tree: it would train nothing of them
     p = tmp_path / "train.toml"
     p.write_text('[train]\nalgorithm = "ppo"\nlearning_rate = 3e-4\nharness_weights = {chat-loop = 2.0}\n')
     cfg = load_config(p, learning_rate=1e-3)
