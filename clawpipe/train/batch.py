@@ -168,6 +168,10 @@ def build_batch(
     coefficients. Raises when every group was left out for its rewards."""
     check_rewards(trees, rollouts)
     stats: dict[str, float] = {"trees_in": len(trees)}
+    # every rollout of the batch, before calls are left out below: a rollout whose calls are all left out (too
+    # long, ids outside the vocabulary) is still an outcome of the policy, so its reward stays in its group's
+    # baseline (as an all-empty rollout's does)
+    used = {s.rollout_id for t in trees for s in t.sequences}
     if max_positions is not None:
         trees, long = within_context(trees, max_positions)
         stats["calls_longer_than_context"] = len(long)
@@ -188,7 +192,6 @@ def build_batch(
                 vocab_size,
                 odd[0],
             )
-    used = {s.rollout_id for t in trees for s in t.sequences}
     keys = {r: adv_mod.group_key(rollouts[r], config.group_by) for r in used}
     # A rollout without a finite reward (null: its verifier returned none; NaN, inf) leaves its group without a
     # baseline: that group is left out alone and counted, and the step goes on with the others (failing the

@@ -92,6 +92,10 @@ def test_a_call_longer_than_the_models_positions_is_left_out_and_counted(caplog:
     assert max(len(s.positions) for _, s in batch.sequences) <= MAX_POSITIONS
     assert sorted(i.rollout_id for i in batch.rollouts) == ["ar1", "ar2", "br0", "br1"]
     assert any("longer than the model's 512 positions" in r.getMessage() for r in caplog.records)
+    # the left-out rollout's reward (1.0) stays in its group's baseline: a's others get 0.0 - 0.5 and 0.5 - 0.5
+    # (not -0.25 / +0.25 against a baseline of their two rewards); b's get +-0.5
+    assert [i.rollout_id for i in batch.untrained] == ["ar0"]
+    assert sorted(set(np.round(batch.contrib.adv, 4).tolist())) == [-0.5, 0.0, 0.5]
     metrics = Trainer(tiny_model(), make_config()).step(batch)
     assert metrics["tokens/trained"] == 16 and finite(metrics)
     # a path of exactly the model's positions still trains
