@@ -96,6 +96,7 @@ def _re_encodes(seqs: TreeSequences, g: int, e: int, d: int) -> bool:
 # prompt ids before the previous answer that must come back with it: the answer alone (an end-of-turn id, a
 # short reply) turns up in unrelated prompts by chance
 _LEAD_IN = 16
+_MAX_EDIT_SHIFT = 32  # ids an edit of the history in front may add or remove and still be the same lineage
 
 
 def _carries_on_edited(ctx: LabelContext, p: int, e: int, d: int) -> bool:
@@ -112,9 +113,12 @@ def _carries_on_edited(ctx: LabelContext, p: int, e: int, d: int) -> bool:
     lead = max(d + 1, plen - _LEAD_IN)  # the id at d is where the two part: it is not replayed
     replayed = seqs.keys[j][lead * 4 : (plen + glen) * 4]
     new = seqs.keys[e]
-    at = new.find(replayed, d * 4)
+    # where an edit of the history in front (a timestamp) moves the replay by a few ids; a prompt that quotes
+    # the conversation after instructions of its own (a memory extractor's) moves it by their whole length
+    lo, hi = max(d, lead - _MAX_EDIT_SHIFT) * 4, (lead + _MAX_EDIT_SHIFT) * 4 + len(replayed)
+    at = new.find(replayed, lo, hi)
     while at >= 0 and at % 4:  # ids are 4 bytes: a match must start on an id
-        at = new.find(replayed, at + 1)
+        at = new.find(replayed, at + 1, hi)
     return at >= 0
 
 
@@ -131,8 +135,8 @@ def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     - both context: ``subagent`` when the old lineage goes on after X's first call (interleaved lineages)
       or both continue a call that ended at the parent (a fork), or the divergence lies near the start (in
       the first half of the first prompt through the parent: another system prompt) unless X's prompt
-      replays the previous call's answer, and the end of its prompt, after it (the same lineage with its
-      system prompt edited, e.g. a timestamp); else ``rewrite`` (compaction, edited history: the divergence
+      replays the previous call's answer, and the end of its prompt, after it within a few ids of where it
+      was (the same lineage with its system prompt edited, e.g. a timestamp); else ``rewrite`` (compaction, edited history: the divergence
       is inside earlier context and the old lineage stops).
     """
     seqs, par, starts, gens, earliest = ctx.seqs, ctx.par, ctx.starts, ctx.gens, ctx.earliest

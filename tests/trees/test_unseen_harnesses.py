@@ -268,3 +268,29 @@ def test_a_side_call_whose_prompt_happens_to_hold_the_last_short_answer_is_still
     build_iteration(tmp_path, "run-a", 0)
     stats = read_stats(tmp_path, "run-a", 0)["rollout:r1"]
     assert _branches(stats) == {**dict.fromkeys(CAUSES, 0), "subagent": 1}
+
+
+def test_a_side_call_quoting_the_conversation_after_instructions_of_its_own_is_a_sub_agent(tmp_path: Path) -> None:
+    """A memory extractor's prompt: its own long instructions, then the conversation so far quoted whole (the
+    end of the last prompt and its answer included). The replay sits far from where the conversation had it,
+    so this is another lineage, unlike a timestamp edited in front, which moves the replay by a few ids."""
+    system, task = [1, 2, 3, 4], list(range(100, 140))
+    answer = [20, 21, 22]
+    instructions = list(range(300, 380))  # 80 ids of the extractor's own
+    calls = [
+        call("c1", "r1", 0, [*system, *task], answer),
+        call("m1", "r1", 1, [1, *instructions, *system[1:], *task, *answer, 8], [31, 32]),
+    ]
+    write_lake(tmp_path, "run-a", 0, calls, [rollout("r1", "g", 1.0)])
+    build_iteration(tmp_path, "run-a", 0)
+    stats = read_stats(tmp_path, "run-a", 0)["rollout:r1"]
+    assert _branches(stats) == {**dict.fromkeys(CAUSES, 0), "subagent": 1}
+    # the same conversation with a 3-id timestamp edited in at the start stays one lineage: a rewrite
+    edited = [
+        call("c1", "r2", 0, [*system, *task], answer),
+        call("c2", "r2", 1, [1, 50, 51, 52, *system[1:], *task, *answer, 8], [31]),
+    ]
+    write_lake(tmp_path, "run-b", 0, edited, [rollout("r2", "g", 1.0)])
+    build_iteration(tmp_path, "run-b", 0)
+    stats = read_stats(tmp_path, "run-b", 0)["rollout:r2"]
+    assert _branches(stats) == {**dict.fromkeys(CAUSES, 0), "rewrite": 1}
