@@ -1,9 +1,10 @@
 """Test doubles for the sandbox tests: a loopback upstream standing in for the proxy, a tiny task set,
-and throwaway harness folders."""
+throwaway harness folders, and a scan for processes left running."""
 
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 import threading
 import time
@@ -153,3 +154,16 @@ class Sampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def procs_with(marker: str) -> list[int]:
+    """Pids of the host's processes whose command line holds ``marker`` (what a sandbox left running)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(pid))
+            except OSError:
+                pass
+    return found

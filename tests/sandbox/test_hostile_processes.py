@@ -5,7 +5,6 @@ what the verifier read is what the work dir still holds."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.manifest import HarnessManifest
-from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
+from tests.sandbox.support import EchoTaskSet, Upstream, make_harness, procs_with
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
 
@@ -62,18 +61,6 @@ print("parent done", flush=True)
 """
 
 
-def _procs_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(pid))
-            except OSError:
-                pass
-    return found
-
-
 def _marked(root: Path, name: str, script: str, marker: str, **manifest: Any) -> HarnessManifest:
     """A harness whose every process carries ``marker`` on its command line."""
     return load_manifest(make_harness(root, name, script, command=["python3", "main.py", marker], **manifest))
@@ -112,7 +99,7 @@ def test_escaped_daemons_stubborn_and_stdout_holding_harnesses_end_with_their_ro
     }
     elapsed = time.monotonic() - t0
     assert elapsed < 30, elapsed  # nobody waited for the minute-long children
-    assert _procs_with(marker) == []  # nothing of any of them runs on
+    assert procs_with(marker) == []  # nothing of any of them runs on
     assert (res["stubborn"].status, res["holder"].status) == ("timeout", "succeeded"), res
     assert res["holder"].duration_s < 15, res["holder"].duration_s
     daemon = res["daemon"]

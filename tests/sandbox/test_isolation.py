@@ -17,7 +17,7 @@ import pytest
 from clawpipe.keys import mint_key, verify_key
 from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
 from clawpipe.sandbox.uids import UidPool
-from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness
+from tests.sandbox.support import CHAT_HARNESS, EchoTaskSet, Upstream, make_harness, procs_with
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
 
@@ -274,18 +274,6 @@ time.sleep(60)
 """
 
 
-def _procs_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(pid))
-            except OSError:
-                pass
-    return found
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.slow
 def test_limits_fork_bomb_oom_and_timeout_kill_the_tree(
@@ -308,7 +296,7 @@ def test_limits_fork_bomb_oom_and_timeout_kill_the_tree(
     assert [r.status for r in res] == ["timeout", "oom", "timeout"], [r.stderr_tail[-300:] for r in res]
     forks, errno = (Path(res[0].workdir) / "out" / "forks.txt").read_text().split()
     assert int(forks) < 32 and int(errno) == 11  # EAGAIN from the pids limit
-    assert _procs_with(marker) == []  # the daemonised sleeper died with its sandbox
+    assert procs_with(marker) == []  # the daemonised sleeper died with its sandbox
     if backend == "docker":
         import docker
 

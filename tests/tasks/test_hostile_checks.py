@@ -15,6 +15,7 @@ import pytest
 from clawpipe.sandbox.backends import Backend
 from clawpipe.sandbox.verify import verify_rollout
 from clawpipe.tasks import fixit, get_task_set
+from tests.sandbox.support import procs_with
 
 FIXIT = get_task_set("fixit")
 
@@ -39,18 +40,6 @@ def _add_task() -> dict[str, Any]:
     return next(t for t in FIXIT.generate(40, seed=0) if t["data"]["template"] == "add")
 
 
-def _sleepers(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(pid))
-            except OSError:
-                pass
-    return found
-
-
 @pytest.mark.sandbox
 @pytest.mark.slow
 @pytest.mark.parametrize("tail", ["hang", "return"])
@@ -73,4 +62,4 @@ def test_a_forking_or_hanging_check_ends_and_leaves_nothing_running(
     else:
         assert not info["timed_out"] and "cases passed" in info["reason"], info
     assert elapsed < 15, elapsed
-    assert _sleepers(marker) == []  # the daemon died with the check's sandbox
+    assert procs_with(marker) == []  # the daemon died with the check's sandbox
