@@ -14,6 +14,7 @@ import pytest
 
 from clawpipe.proxy.framing import ChunkedBody
 from tests.proxy.conftest import ProxyHandle, key_for
+from tests.support.net import read_all
 from tests.support.upstream import ScriptedUpstream
 
 CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
@@ -24,13 +25,7 @@ def _exchange(proxy: ProxyHandle, data: bytes, timeout: float = 5.0) -> bytes:
     host, port = proxy.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as s:
         s.sendall(data)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except (TimeoutError, ConnectionResetError):
-            pass
-        return out
+        return read_all(s)
 
 
 def _head(rollout: str, *lines: str) -> bytes:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.proxy.conftest import ProxyHandle, key_for
+from tests.support.net import read_all
 from tests.support.upstream import ScriptedUpstream, say
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
@@ -36,14 +37,6 @@ def _call(proxy: ProxyHandle, rollout: str, **kw: Any) -> httpx.Response:
     return httpx.post(f"{proxy.openai_base(rollout)}/chat/completions", json=CHAT, timeout=15, **kw)
 
 
-def _read_all(s: socket.socket) -> bytes:
-    out = b""
-    with contextlib.suppress(TimeoutError, ConnectionResetError):
-        while chunk := s.recv(65536):
-            out += chunk
-    return out
-
-
 def test_a_connection_that_sends_no_head_is_closed_after_the_header_timeout(make_proxy: Any, upstream) -> None:
     proxy = make_proxy([upstream.url], header_timeout_s=0.5)
     t0 = time.monotonic()
@@ -54,7 +47,7 @@ def test_a_connection_that_sends_no_head_is_closed_after_the_header_timeout(make
             time.sleep(0.2)
             with contextlib.suppress(OSError):
                 slow.sendall(b"x")
-        out_silent, out_slow = _read_all(silent), _read_all(slow)
+        out_silent, out_slow = read_all(silent), read_all(slow)
     assert time.monotonic() - t0 < 5
     for out in (out_silent, out_slow):
         assert out.startswith(b"HTTP/1.1 408") and b"within 0.5 s" in out
@@ -69,7 +62,7 @@ def test_an_idle_keep_alive_connection_is_closed(make_proxy: Any, upstream) -> N
     with socket.create_connection(_addr(proxy), timeout=10) as s:
         s.sendall(head.encode() + body)
         t0 = time.monotonic()
-        out = _read_all(s)  # the answer, then the close once idle
+        out = read_all(s)  # the answer, then the close once idle
         idle = time.monotonic() - t0
     assert out.startswith(b"HTTP/1.1 200") and out.count(b"HTTP/1.1") == 1
     assert 0.4 < idle < 5
@@ -92,7 +85,7 @@ def test_slow_loris_connections_do_not_starve_real_calls(make_proxy: Any, upstre
         _wait(lambda: len(proxy.server._conns) <= 1, 10, "half-open connections still open")
         assert _call(proxy, "real2").status_code == 200
         loris[0].settimeout(5)
-        assert _read_all(loris[0]).startswith(b"HTTP/1.1 408")
+        assert read_all(loris[0]).startswith(b"HTTP/1.1 408")
     finally:
         for s in loris:
             s.close()
@@ -199,7 +192,7 @@ def test_a_trickled_body_holds_no_budget_and_is_cut_below_the_minimum_rate(make_
         try:
             time.sleep(0.3)
             assert _call(proxy, "real").status_code == 200
-            out = _read_all(s)
+            out = read_all(s)
         finally:
             stop.set()
             sender.join()

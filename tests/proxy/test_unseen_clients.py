@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.proxy.conftest import ProxyHandle, key_for
+from tests.support.net import read_all
 from tests.support.upstream import ScriptedUpstream, say
 
 
@@ -28,16 +29,6 @@ def _post_head(path: str, *lines: str, version: str = "HTTP/1.1") -> bytes:
 def _connect(proxy: ProxyHandle, timeout: float = 10.0) -> socket.socket:
     host, port = proxy.url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=timeout)
-
-
-def _read_all(s: socket.socket) -> bytes:
-    out = b""
-    try:
-        while chunk := s.recv(65536):
-            out += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return out
 
 
 def _responses(data: bytes) -> list[tuple[bytes, bytes]]:
@@ -96,7 +87,7 @@ def test_a_client_that_waits_for_100_continue_gets_it_before_sending_its_body(pr
         s.sendall(
             body + _post_head(f"/r/{key_for('expect')}/v1/chat/completions", "content-length: 0", "connection: close")
         )
-        out = _read_all(s)
+        out = read_all(s)
     assert out.startswith(b"HTTP/1.1 200") and out.count(b"HTTP/1.1 100") == 0
     records = proxy.records()
     assert [r.request for r in records] == [body, b""]
@@ -111,7 +102,7 @@ def test_pipelined_requests_are_answered_in_order_and_each_captured_once(proxy: 
     )
     with _connect(proxy) as s:
         s.sendall(reqs + _post_head("/admin/health", "content-length: 0", "connection: close"))
-        out = _read_all(s)
+        out = read_all(s)
     answers = _responses(out)
     texts = [json.loads(b)["choices"][0]["message"]["content"] for _, b in answers[:3]]
     assert texts == ["first", "second", "third"]
@@ -129,7 +120,7 @@ def test_http_1_0_and_connection_close_clients_get_one_answer_then_a_close(proxy
     with _connect(proxy) as s:
         path = f"/r/{key_for('close')}/v1/chat/completions"
         s.sendall(_post_head(path, f"content-length: {len(body)}", *extra, version=version) + body)
-        out = _read_all(s)  # ends: the proxy closed the connection
+        out = read_all(s)  # ends: the proxy closed the connection
     ((status, answer),) = _responses(out)
     assert status.startswith(b"HTTP/1.1 200") and b"connection: close" in out.lower()
     assert json.loads(answer)["choices"]
@@ -191,7 +182,7 @@ def test_five_hundred_headers_and_non_ascii_values_are_served(proxy: ProxyHandle
     head = head.replace(b"x-h0: v0", "x-h0: caf\u00e9 \u00fc".encode())
     with _connect(proxy) as s:
         s.sendall(head + body)
-        out = _read_all(s)
+        out = read_all(s)
     assert out.startswith(b"HTTP/1.1 200"), out[:200]
     (rec,) = proxy.records()
     assert rec.request == body
@@ -211,7 +202,7 @@ def test_two_rollout_keys_in_one_header_name_are_refused(proxy: ProxyHandle, ups
             )
             + body
         )
-        out = _read_all(s)
+        out = read_all(s)
     assert out.startswith(b"HTTP/1.1 400"), out[:200]
     assert f"more than one {name} header".encode() in out.lower()
     assert proxy.records() == [] and upstream.requests == []
@@ -236,6 +227,6 @@ def test_a_cr_lf_in_a_header_value_is_refused_and_nothing_is_injected(proxy: Pro
             )
             + body
         )
-        out = _read_all(s)
+        out = read_all(s)
     assert out.startswith(b"HTTP/1.1 400") and b"bare CR" in out
     assert proxy.records() == [] and upstream.requests == []

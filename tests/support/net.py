@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 
@@ -25,3 +26,12 @@ def accepted_nodelay(listener: socket.socket) -> int:
             server.close()
 
     return asyncio.run(check())
+
+
+def read_all(s: socket.socket) -> bytes:
+    """Everything ``s`` receives until the peer closes it, resets it or the socket's timeout passes."""
+    out = b""
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
