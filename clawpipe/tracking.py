@@ -148,15 +148,22 @@ class MlflowTracker:
             self.client.set_terminated(self.run_id, status=status)
 
 
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI; None for any other store (or an in-memory one)."""
+    if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
+        return None
+    return Path(uri.removeprefix("sqlite:///"))
+
+
 @contextlib.contextmanager
 def _store_lock(uri: str) -> Iterator[None]:
     """Make one client at a time of a sqlite store: the first client of a new database creates its tables,
     and two processes doing so at once (two runs started together on a fresh home) clash, one failing
     with ``duplicate column name``. A lock file beside the database, held with ``flock``, orders them."""
-    if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
+    db = _sqlite_file(uri)
+    if db is None:
         yield
         return
-    db = Path(uri.removeprefix("sqlite:///"))
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -166,9 +173,8 @@ def _store_lock(uri: str) -> Iterator[None]:
 def _artifact_root(uri: str) -> str | None:
     """Artifacts of a sqlite store's experiments go beside the database (``<home>/mlartifacts``), not into the
     ``mlruns`` folder of whichever directory the run was started from; a server keeps its own default."""
-    if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
-        return None
-    return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+    db = _sqlite_file(uri)
+    return None if db is None else (db.parent / "mlartifacts").resolve().as_uri()
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
@@ -180,10 +186,11 @@ def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
     import urllib.parse
 
     parsed = urllib.parse.urlparse(uri)
+    db = _sqlite_file(uri)
     if parsed.scheme in ("http", "https"):
         _check_server(uri, timeout_s)
-    elif parsed.scheme == "sqlite" and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
-        _check_writable(Path(uri.removeprefix("sqlite:///")).parent, uri)
+    elif db is not None:
+        _check_writable(db.parent, uri)
     elif parsed.scheme in ("", "file"):
         _check_writable(Path(parsed.path if parsed.scheme else uri), uri)
 
