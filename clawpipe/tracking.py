@@ -196,21 +196,14 @@ def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
 
 
 def _check_server(uri: str, timeout_s: float) -> None:
-    import http.client
-    import urllib.error
-    import urllib.request
+    from clawpipe.net import health_failure
 
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            resp.read()
-    except urllib.error.HTTPError:
-        return  # it answered (an error status behind an auth proxy still means it is up)
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+    reason = health_failure(uri, timeout_s)
+    if reason is not None:
         raise ConfigError(
             f"the MLflow tracking server {uri} does not answer ({reason}): start it (mlflow/server.sh HOST PORT), "
             "or unset CLAWPIPE_MLFLOW_TRACKING_URI to track in <home>/mlflow.db"
-        ) from None
+        )
 
 
 def _check_writable(folder: Path, uri: str) -> None:

@@ -85,11 +85,8 @@ def _check_prefect_api(env: dict[str, str], *, needed_by: str | None) -> None:
     with a traceback (or, for ``deploy``, registers on a temporary server that is gone when it returns).
 
     ``needed_by`` names a command that cannot work on a temporary server; ``run`` falls back to one."""
-    import http.client
-    import urllib.error
-    import urllib.request
-
     from clawpipe.errors import ConfigError
+    from clawpipe.net import health_failure
 
     url = env.get("PREFECT_API_URL", "").strip()
     start = "start one with `prefect server start --host 127.0.0.1`"
@@ -101,14 +98,9 @@ def _check_prefect_api(env: dict[str, str], *, needed_by: str | None) -> None:
             "then pass --api-url http://127.0.0.1:4200/api or set PREFECT_API_URL"
         )
     fallback = "" if needed_by else ", or unset PREFECT_API_URL to run on a temporary server"
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=10) as resp:
-            resp.read()
-    except urllib.error.HTTPError:
-        return  # it answered (an error status behind an auth proxy still means it is up)
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ConfigError(f"the Prefect API at {url} does not answer ({reason}): {start}{fallback}") from None
+    reason = health_failure(url, timeout_s=10)
+    if reason is not None:
+        raise ConfigError(f"the Prefect API at {url} does not answer ({reason}): {start}{fallback}")
 
 
 def _check_summary_out(path: Path) -> None:
