@@ -136,8 +136,8 @@ def classify(ctx: LabelContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
       or both continue a call that ended at the parent (a fork), or the divergence lies near the start (in
       the first half of the first prompt through the parent: another system prompt) unless X's prompt
       replays the previous call's answer, and the end of its prompt, after it within a few ids of where it
-      was (the same lineage with its system prompt edited, e.g. a timestamp); else ``rewrite`` (compaction, edited history: the divergence
-      is inside earlier context and the old lineage stops).
+      was (the same lineage with its system prompt edited, e.g. a timestamp); else ``rewrite`` (compaction,
+      edited history: the divergence is inside earlier context and the old lineage stops).
     """
     seqs, par, starts, gens, earliest = ctx.seqs, ctx.par, ctx.starts, ctx.gens, ctx.earliest
     n = len(par)
