@@ -30,8 +30,11 @@ a torn last line is ignored by readers.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import resource
 import struct
 import sys
 import zlib
@@ -464,13 +467,46 @@ def seal_segment(path: str | os.PathLike[str]) -> Path:
     return sealed
 
 
+def write_failure(exc: OSError, path: str | os.PathLike[str]) -> str:
+    """A failed write said for a person: the error, and for a full disk or too many open files the space
+    left on ``path``'s filesystem or the process's descriptor limit, with what to do."""
+    what = f"{exc.strerror or exc}" + (f" (errno {exc.errno})" if exc.errno else "")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            st = os.statvfs(path)
+            free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            what += f": {free} of {total} bytes free on the filesystem of {path}"
+        except OSError:
+            what += f" on the filesystem of {path}"
+        what += "; free space there"
+    elif exc.errno in (errno.EMFILE, errno.ENFILE):
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        what += f": the process may hold {soft} open files (RLIMIT_NOFILE); raise ulimit -n or close connections"
+    elif exc.errno == errno.EFBIG:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        what += f": files of this process may not grow past {soft} bytes (RLIMIT_FSIZE); raise ulimit -f"
+    return what
+
+
 def append_result(path: str | os.PathLike[str], row: dict[str, Any]) -> None:
-    """Append one rollout result row as a JSON line and fsync it (rollouts are few; safety wins)."""
+    """Append one rollout result row as a JSON line and fsync it (rollouts are few; safety wins).
+
+    A write that fails part-way (a full disk) is cut off again, so the file never holds a torn line that a
+    later row would be glued to; the error says why (:func:`write_failure`).
+    """
     line = (json.dumps(row, separators=(",", ":"), default=str) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, line)
-        os.fsync(fd)
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise CaptureError(f"could not append a rollout result to {path}: {write_failure(exc, path)}") from exc
     finally:
         os.close(fd)
 

@@ -295,8 +295,8 @@ class CallPath:
         if verdict.status == "ok" and api in TOKEN_APIS:
             await self._token_source(header, api, req.body, response, call.stream)
         header.t_end = time.time()
-        ok = await self.capture(header, req.body, response)
-        respond.after_call(conn, call, ok, req.keep_alive, verdict.http_status, response, anthropic=anthropic)
+        failure = await self.capture(header, req.body, response)
+        respond.after_call(conn, call, failure, req.keep_alive, verdict.http_status, response, anthropic=anthropic)
 
     async def _token_source(
         self, header: CaptureHeader, api: str, request: bytes, response: bytes, stream: bool
@@ -356,36 +356,40 @@ class CallPath:
     async def fail(
         self, conn: ClientConn, req: wire.Request, header: CaptureHeader, status: int, msg: str, anthropic: bool
     ) -> None:
-        """Answer with an error in the API's shape and capture the failed call."""
+        """Answer with an error in the API's shape and capture the failed call (an answer that could not be
+        recorded is a 507 saying so instead: :func:`respond.not_recorded`)."""
         body = wire.error_body(status, msg, anthropic=anthropic)
         header.http_status = status
         header.status = "upstream_error" if status in (502, 504) else "http_error"
         header.error = msg
         header.t_end = time.time()
         log.warning("call failed rollout_id=%s status=%d error=%s", header.rollout_id, status, msg)
-        await self.capture(header, req.body, body)
+        failure = await self.capture(header, req.body, body)
+        if failure is not None:
+            respond.not_recorded(conn, failure, req.keep_alive, anthropic=anthropic)
+            return
         respond.send_json(conn, status, body, req.keep_alive)
 
-    async def capture(self, header: CaptureHeader, request: bytes, response: bytes) -> bool:
-        """Record one call durably and count it by status; False when the record could not be written."""
-        fut: asyncio.Future[bool] = self.owner.loop.create_future()
+    async def capture(self, header: CaptureHeader, request: bytes, response: bytes) -> str | None:
+        """Record one call durably and count it by status; None once it is on disk, else why it is not."""
+        fut: asyncio.Future[str | None] = self.owner.loop.create_future()
 
         def done(exc: BaseException | None) -> None:
             if not fut.done():
-                fut.set_result(exc is None)
+                fut.set_result(None if exc is None else str(exc) or type(exc).__name__)
 
         self._recorded.add(header.call_id)
         try:
             self.owner.writer.submit(header, request, response, done)
-        except ClawpipeError:
-            fut.set_result(False)
-        ok = await fut
+        except ClawpipeError as exc:
+            fut.set_result(str(exc))
+        failure = await fut
         self.owner.stats[header.status or "ok"] += 1
         self.owner.stats["calls"] += 1
-        if not ok:
+        if failure is not None:
             self.owner.stats["capture_failures"] += 1
-            log.error("call not recorded call_id=%s rollout_id=%s", header.call_id, header.rollout_id)
-        return ok
+            log.error("call not recorded call_id=%s rollout_id=%s: %s", header.call_id, header.rollout_id, failure)
+        return failure
 
 
 def _refusal(req: wire.Request, header: CaptureHeader, api: str | None, cfg: ProxyConfig) -> tuple[int, str] | None:

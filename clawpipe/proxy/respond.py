@@ -6,25 +6,36 @@ from clawpipe.proxy import wire
 from clawpipe.proxy.call import Call
 from clawpipe.proxy.conn import ClientConn
 
+NOT_RECORDED = 507  # Insufficient Storage: the proxy could not store the call's record
+
 
 def after_call(
-    conn: ClientConn, call: Call, recorded: bool, keep: bool, status: int, response: bytes, *, anthropic: bool
+    conn: ClientConn,
+    call: Call,
+    failure: str | None,
+    keep: bool,
+    status: int,
+    response: bytes,
+    *,
+    anthropic: bool,
 ) -> None:
     """Answer a forwarded call: its held stream end, or its whole response (the upstream's, or the error
-    body the proxy recorded in its place), then go on with the connection's next request or close it."""
+    body the proxy recorded in its place), then go on with the connection's next request or close it.
+
+    ``failure`` says why the call's record could not be written (None: it is on disk): then no answer is
+    released as if captured: a 507 naming the cause, or a stream left unterminated."""
     if call.outcome == "cancelled" or conn.closed:
         conn.finish(False)
         return
     if call.streaming:
-        if recorded and call.outcome == "end":
+        if failure is None and call.outcome == "end":
             conn.write(b"".join(call.held) + (b"0\r\n\r\n" if call.chunked else b""))
             conn.finish(keep and call.chunked)
         else:
             conn.finish(False)  # an unterminated stream tells the client it is incomplete
         return
-    if not recorded:
-        conn.write(wire.error_response(500, "capture failed; the call was not recorded", anthropic=anthropic))
-        conn.finish(False)
+    if failure is not None:
+        not_recorded(conn, failure, keep, anthropic=anthropic)
         return
     if call.outcome == "end":
         headers = call.resp_headers
@@ -43,3 +54,10 @@ def send_json(conn: ClientConn, status: int, body: bytes, keep: bool) -> None:
         headers.append((b"connection", b"close"))
     conn.write(wire.response_head(status, headers, length=len(body)) + body)
     conn.finish(keep)
+
+
+def not_recorded(conn: ClientConn, failure: str, keep: bool, *, anthropic: bool) -> None:
+    """A 507 for a call whose record could not be written: the call was not captured, so it must not be
+    answered as if it were; the message names the cause (a full disk, no descriptor left)."""
+    msg = f"the proxy could not record this call, so it was not captured ({failure}); retry once capture works"
+    send_json(conn, NOT_RECORDED, wire.error_body(NOT_RECORDED, msg, anthropic=anthropic), keep)

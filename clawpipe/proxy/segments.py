@@ -13,6 +13,13 @@ runs one is always open). The writer holds an exclusive ``flock`` on its open se
 frame after the last intact one) is cut (:func:`clawpipe.capture.recover_segment`) and it is sealed, so a
 crash loses nothing that was committed; damaged frames before that stay for landing to report as rejects.
 
+A write that fails (a full disk, no descriptor left) fails the records of its batch only: their callbacks
+get a :class:`~clawpipe.errors.CaptureError` naming the cause, a partly written frame is cut off again (so
+nothing torn sits between intact frames), and the next batch tries again, in a fresh segment when the last
+one could not be repaired or none could be opened. :meth:`SegmentWriter.health` says whether capture is
+failing; while it is and no record comes, the thread probes the directory once a second (a small file
+written, synced and removed), so health turns good again once space or descriptors are freed.
+
 When ``CLAWPIPE_LAKE_URI`` names an object store, an :class:`~clawpipe.proxy.upload.Uploader` runs beside
 the writer and copies each sealed segment (and the host's result files) to the lake's capture prefix;
 :meth:`SegmentWriter.seal_now` lets it seal the open segment on request (a flush, see upload.py), so a
@@ -39,6 +46,8 @@ log = logging.getLogger(__name__)
 
 Done = Callable[[BaseException | None], None]
 UPLOAD_ENV = "CLAWPIPE_CAPTURE_UPLOAD"  # "0": never upload, even with an object-store lake
+PROBE_EVERY_S = 1.0  # while writes fail: how often an idle writer checks whether the directory took space again
+PROBE_BYTES = 64 << 10  # a probe write of this size must succeed before capture counts as healthy again
 
 
 def upload_url_from_env() -> str | None:
@@ -119,7 +128,9 @@ class SegmentWriter:
         self.batches = 0
         self.bytes_written = 0
         self.sealed: list[str] = []
-        self.failed: BaseException | None = None
+        self.failure: str | None = None  # why the last write failed; None once one succeeds again
+        self.failing_since: float | None = None  # epoch seconds of the first failure of the current run
+        self.failed_records = 0  # records whose write failed (their calls were answered as not recorded)
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def start(self, post: Callable[[Callable[..., Any], Any], Any]) -> None:
@@ -173,6 +184,16 @@ class SegmentWriter:
     def current_segment(self) -> str | None:
         return self._path.name if self._path else None
 
+    def health(self) -> dict[str, Any]:
+        """Whether records are being written: ``ok``, and while they are not, why and since when."""
+        return {
+            "ok": self.failure is None,
+            "error": self.failure,
+            "failing_since": self.failing_since,
+            "failed_records": self.failed_records,
+            "directory": str(self.directory),
+        }
+
     # --- loop side -----------------------------------------------------------------------------------
     def submit(self, header: capture.CaptureHeader, request: bytes, response: bytes, done: Done) -> None:
         """Queue one record; ``done(None)`` runs on the event loop once it is durable (``done(exc)`` on failure)."""
@@ -188,8 +209,13 @@ class SegmentWriter:
         path = self.directory / f"{self.instance}-{self._n:06d}{capture.OPEN_SUFFIX}"
         self._n += 1
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _fsync_dir(self.directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _fsync_dir(self.directory)
+        except OSError:  # no descriptor left for the directory, say: no half-made segment stays behind
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
         self._fd, self._path, self._size, self._opened_at = fd, path, 0, time.monotonic()
 
     def _seal_current(self) -> None:
@@ -220,13 +246,17 @@ class SegmentWriter:
                     timeout = None
                     if self._size and self.max_age_s > 0:
                         timeout = max(0.05, self._opened_at + self.max_age_s - time.monotonic())
-                    if not self._cond.wait(timeout) and self._size:
-                        break  # age rotation check below
+                    if self.failure is not None:
+                        timeout = min(timeout or PROBE_EVERY_S, PROBE_EVERY_S)
+                    if not self._cond.wait(timeout) and (self._size or self.failure is not None):
+                        break  # age rotation check or failure probe below
                 batch, self._pending = self._pending, []
                 closing = self._closing
                 seal_requests, self._seal_requests = self._seal_requests, []
             if batch:
                 self._commit(batch)
+            elif self.failure is not None and not closing:
+                self._probe()
             if seal_requests and self._size:
                 self._rotate()
             for done in seal_requests:
@@ -246,41 +276,105 @@ class SegmentWriter:
                 return
 
     def _rotate(self) -> None:
+        """Seal the open segment and go on in a fresh one; when no fresh one can be opened, the open one is
+        kept (rotation is tried again later): records keep going where they can."""
+        fd, path, size = self._fd, self._path, self._size
         try:
-            fd, path, size = self._fd, self._path, self._size
             self._open_segment()  # the next segment exists before this one is sealed: one is always open
-            if fd >= 0 and path is not None:
-                self._seal(fd, path, size)
         except OSError as exc:
             log.error("segment rotation failed dir=%s error=%s", self.directory, exc)
-            self.failed = exc
+            return
+        if fd >= 0 and path is not None:
+            try:
+                self._seal(fd, path, size)
+            except OSError as exc:  # left .open and unlocked: its frames land, the next start seals it
+                log.error("sealing segment=%s failed error=%s", path.name, exc)
 
     def _commit(self, batch: list[tuple[capture.CaptureHeader, bytes, bytes, Done]]) -> None:
-        error: BaseException | None = self.failed
+        error: BaseException | None = None
+        try:
+            frames = [capture.encode_record(h, req, resp) for h, req, resp, _ in batch]
+        except (ValueError, TypeError) as exc:
+            log.error("capture records could not be framed error=%s", exc)
+            error = CaptureError(f"the call's record could not be framed: {exc}")
+        else:
+            error = self._write(b"".join(frames))
         if error is None:
-            try:
-                frames = [capture.encode_record(h, req, resp) for h, req, resp, _ in batch]
-                data = b"".join(frames)
-                view = memoryview(data)
-                while view:
-                    n = os.write(self._fd, view)
-                    view = view[n:]
-                if self.fsync:
-                    os.fdatasync(self._fd)
-                self._size += len(data)
-                self.records += len(batch)
-                self.batches += 1
-                self.bytes_written += len(data)
-            except (OSError, ValueError, TypeError) as exc:
-                log.error("capture write failed segment=%s error=%s", self.current_segment, exc)
-                error = exc
-                try:  # cut a partial frame so later frames stay readable
-                    os.ftruncate(self._fd, self._size)
-                except OSError:
-                    self._rotate()
+            self.records += len(batch)
+            self.batches += 1
+            if self.failure is not None:
+                log.warning(
+                    "capture writes succeed again dir=%s (failing since %s)", self.directory, self.failing_since
+                )
+            self.failure = self.failing_since = None
+        else:
+            self._failed(str(error), len(batch))
         callbacks = [cb for _, _, _, cb in batch]
         assert self._post is not None
         self._post(_fire, (callbacks, error))
+
+    def _write(self, data: bytes) -> CaptureError | None:
+        """Append ``data`` to the open segment (opening one when there is none) and sync it; on failure cut
+        what was written of it again and return the error."""
+        try:
+            if self._fd < 0:
+                self._open_segment()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            if self.fsync:
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            log.error("capture write failed segment=%s error=%s", self.current_segment, exc)
+            self._cut_back()
+            why = capture.write_failure(exc, self.directory)
+            return CaptureError(f"the call's record could not be written to {self.directory}: {why}")
+        self._size += len(data)
+        self.bytes_written += len(data)
+        return None
+
+    def _cut_back(self) -> None:
+        """Remove a partly written frame from the open segment, so later frames follow intact ones; a segment
+        that cannot be cut is left (unlocked, ``.open``: its torn tail is cut when it is recovered) and the
+        next write opens a fresh one."""
+        if self._fd < 0:
+            return
+        try:
+            os.ftruncate(self._fd, self._size)
+            return
+        except OSError as exc:
+            log.error("cutting the failed write off segment=%s failed error=%s", self.current_segment, exc)
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd, self._path, self._size = -1, None, 0
+
+    def _failed(self, why: str, records: int) -> None:
+        if self.failure is None:
+            self.failing_since = time.time()
+        self.failure = why
+        self.failed_records += records
+
+    def _probe(self) -> None:
+        """While writes fail and no record comes: write, sync and remove a small file in the directory; once
+        that works (space or descriptors were freed), capture counts as healthy again."""
+        probe = self.directory / f".probe-{self.instance}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, bytes(PROBE_BYTES))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                probe.unlink(missing_ok=True)
+            if self._fd < 0:
+                self._open_segment()
+        except OSError as exc:
+            self.failure = (
+                f"the capture directory {self.directory} is not writable: {capture.write_failure(exc, self.directory)}"
+            )
+            return
+        log.warning("capture directory writable again dir=%s (failing since %s)", self.directory, self.failing_since)
+        self.failure = self.failing_since = None
 
 
 def _fire(arg: tuple[list[Done], BaseException | None]) -> None:

@@ -318,8 +318,12 @@ class ProxyServer:
         return hmac.compare_digest(authorization, self._admin)
 
     def health(self) -> dict[str, Any]:
+        """``status`` is ``ok``, or ``capture_failing`` while call records cannot be written (``capture`` says why
+        and since when; such calls are answered 507, not as captured)."""
+        capture = self.writer.health()
         return {
-            "status": "ok",
+            "status": "ok" if capture["ok"] else "capture_failing",
+            "capture": capture,
             "paused": self.paused,
             "policy_version": self.policy_version,
             "in_flight": self.in_flight,

@@ -28,6 +28,7 @@ REASONS = {
     502: "Bad Gateway",
     503: "Service Unavailable",
     504: "Gateway Timeout",
+    507: "Insufficient Storage",
 }
 
 # Response headers from the upstream that the proxy sets itself or that are hop-by-hop.

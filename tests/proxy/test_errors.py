@@ -195,15 +195,18 @@ def test_chunked_request_body_is_accepted(proxy: ProxyHandle, upstream):
     assert rec.request == payload and upstream.requests[0].json()["messages"][0]["content"] == "chunked hello"
 
 
-def test_a_call_that_could_not_be_recorded_is_500_and_counted_as_a_capture_failure(
+def test_a_call_that_could_not_be_recorded_is_507_and_counted_as_a_capture_failure(
     proxy: ProxyHandle, upstream: ScriptedUpstream
 ) -> None:
+    from clawpipe.errors import CaptureError
+
     upstream.push(say("fine"), say("lost"))
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(f"{proxy.openai_base('rc')}/chat/completions", json=body).status_code == 200
-    proxy.server.writer.failed = OSError(28, "No space left on device")  # every later write fails
+    # every later write fails (a real full disk: tests/proxy/test_exhaustion.py)
+    proxy.server.writer._write = lambda data: CaptureError("No space left on device")  # type: ignore[method-assign]
     r = httpx.post(f"{proxy.openai_base('rc')}/chat/completions", json=body)
-    assert r.status_code == 500 and "not recorded" in r.text
+    assert r.status_code == 507 and "could not record this call" in r.text and "No space left" in r.text
     stats = httpx.get(
         f"{proxy.url}/admin/stats", headers={"authorization": f"Bearer {proxy.server.config.admin_token}"}
     )

@@ -1,0 +1,158 @@
+"""The capture proxy when its machine runs out: a full capture disk (a small tmpfs mounted as the capture dir).
+
+A call whose record could not be written is never answered as captured (507 naming the cause, or a stream
+left unterminated); no torn frame stays between intact ones; capture resumes by itself once space is freed,
+and the health endpoint says when it is failing; landing afterwards gets every answered call exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clawpipe import capture
+from clawpipe.lake import land, run_sql
+from tests.proxy.conftest import ADMIN, ProxyHandle, read_captures
+from tests.support.upstream import ScriptedUpstream, say
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, kib: int) -> Iterator[Path]:
+    """A tmpfs of ``kib`` KiB mounted at ``path`` (unmounted afterwards)."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path, leave: int) -> Path:
+    """A file taking all but ``leave`` bytes of the filesystem's free space."""
+    st = os.statvfs(directory)
+    filler = directory / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+    return filler
+
+
+def chat(content: str, stream: bool = False) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "stream": stream}
+
+
+def call(client: httpx.Client, base: str, content: str, stream: bool) -> tuple[int, str]:
+    """(status, body) of one call; a stream cut before its end is status -1."""
+    url = f"{base}/chat/completions"
+    if not stream:
+        r = client.post(url, json=chat(content))
+        return r.status_code, r.text
+    try:
+        with client.stream("POST", url, json=chat(content, stream=True)) as r:
+            body = b"".join(r.iter_bytes()).decode()
+            return r.status_code, body
+    except httpx.RemoteProtocolError as exc:
+        return -1, str(exc)
+
+
+def health(proxy: ProxyHandle) -> dict[str, object]:
+    r = httpx.get(f"{proxy.url}/admin/health", headers=AUTH)
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_healthy(proxy: ProxyHandle, timeout_s: float = 10.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = health(proxy)
+        if h["status"] == "ok" or time.monotonic() > deadline:
+            return h
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_full_capture_disk_fails_calls_clearly_and_capture_resumes_once_space_is_freed(
+    tmp_path: Path, make_proxy
+) -> None:
+    up = ScriptedUpstream(default=say("word " * 40)).start()
+    try:
+        with small_disk(tmp_path / "cap", 1024) as cap:
+            proxy = make_proxy([up.url], capture_dir=cap, segment_max_age_s=0)
+            base = proxy.openai_base("rfull")
+            answered: list[str] = []
+            refused: list[tuple[int, str]] = []
+            with httpx.Client(timeout=30) as client:
+                assert call(client, base, "call -1", stream=False)[0] == 200
+                answered.append("call -1")
+                record_size = proxy.server.writer.bytes_written
+                filler = fill(cap, 5 * record_size)  # room for a few records, then the disk is full mid-traffic
+                for i in range(24):
+                    status, body = call(client, base, f"call {i}", stream=i % 2 == 1)
+                    (answered if status == 200 else refused).append(f"call {i}" if status == 200 else (status, body))
+                # some calls went through, then the disk filled: the rest were refused, none as captured
+                assert answered and refused
+                assert {s for s, _ in refused} <= {507, -1}
+                assert 507 in {s for s, _ in refused} and -1 in {s for s, _ in refused}
+                first_507 = next(b for s, b in refused if s == 507)
+                assert "No space left on device" in first_507 and "bytes free" in first_507
+                assert "not captured" in first_507
+                h = health(proxy)
+                assert h["status"] == "capture_failing"
+                assert "No space left on device" in str(h["capture"]["error"])  # type: ignore[index]
+                # every record on the full disk is intact (read_captures fails on a damaged frame)
+                assert sorted(_contents(proxy.records())) == sorted(answered)
+
+                filler.unlink()  # space is freed: capture resumes with no restart and no call needed
+                h = wait_healthy(proxy)
+                assert h["status"] == "ok" and h["capture"]["ok"] is True  # type: ignore[index]
+                for i in range(24, 28):
+                    status, _ = call(client, base, f"call {i}", stream=i % 2 == 1)
+                    assert status == 200
+                    answered.append(f"call {i}")
+            proxy.server.stop(drain_timeout_s=5)
+            assert sorted(_contents(read_captures(cap))) == sorted(answered)
+            lake = tmp_path / "lake"
+            report = land(cap, lake)
+            assert report.rejects == 0 and report.calls == len(answered)
+            got = run_sql(lake, "select count(*) as n, count(distinct call_id) as d from model_calls").to_pylist()
+            assert got == [{"n": len(answered), "d": len(answered)}]
+            assert land(cap, lake).calls == 0  # and once only
+    finally:
+        up.stop()
+
+
+def _contents(records: list[capture.CaptureRecord]) -> list[str]:
+    import json
+
+    return [json.loads(r.request)["messages"][0]["content"] for r in records]
+
+
+def test_a_record_that_cannot_be_written_is_507_with_the_connection_kept(
+    tmp_path: Path, make_proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 507 keeps the connection usable: a client reusing it gets the next answer, not a reset."""
+    up = ScriptedUpstream(default=say("word " * 40)).start()  # a record over a page: it needs a new block
+    try:
+        with small_disk(tmp_path / "cap", 64) as cap:
+            proxy = make_proxy([up.url], capture_dir=cap)
+            base = proxy.openai_base("rkeep")
+            with httpx.Client(timeout=30) as client:
+                assert call(client, base, "first", stream=False)[0] == 200
+                filler = fill(cap, 0)
+                status, body = call(client, base, "second", stream=False)
+                assert status == 507 and "could not record this call" in body
+                filler.unlink()
+                assert call(client, base, "third", stream=False)[0] == 200  # on the same pooled connection
+            assert sorted(_contents(proxy.records())) == ["first", "third"]
+    finally:
+        up.stop()
