@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import posixpath
 import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +56,59 @@ def create_exclusive(fs: Any, path: str, data: bytes) -> bool:
     """Write ``data`` at ``path`` only if nothing is there; False when something is.
 
     On S3 this is a PUT with ``If-None-Match: *``: the store itself decides, so of two hosts creating one
-    name exactly one succeeds, and the object appears whole or not at all.
+    name exactly one succeeds, and the object appears whole or not at all. Every commit of the lake and
+    every shard outcome rests on that, so the first use of a store checks that it really refuses the
+    second create (:func:`require_conditional_create`).
     """
+    require_conditional_create(fs, posixpath.dirname(path))
     try:
         fs.pipe_file(path, data, mode="create")
     except FileExistsError:
         return False
     return True
+
+
+# (filesystem, bucket) pairs seen to refuse a second create of one name; the check runs once per process
+_CONDITIONAL_OK: set[tuple[str, str]] = set()
+_PROBE_PREFIX = ".clawpipe-conditional-probe-"  # never a .json, .seg or .parquet name: no listing reads it
+
+
+def require_conditional_create(fs: Any, folder: str) -> None:
+    """Raise LakeError unless the store under ``folder`` refuses to create a name twice.
+
+    Some S3-compatible stores ignore ``If-None-Match: *`` and overwrite: on one of those two landings could
+    both commit the same manifest entry (one batch's calls lost, or landed twice) and two workers could
+    both record a shard. A probe object next to ``folder``'s files is created twice; the second create
+    must be refused. The probe is deleted after (a store that forbids deletes keeps a few bytes).
+    """
+    # fsspec's token names a filesystem's construction arguments; the endpoint may also come from the environment
+    token = str(getattr(fs, "_fs_token", id(fs)))
+    key = (
+        f"{type(fs).__qualname__}:{token}:{os.environ.get('AWS_ENDPOINT_URL', '')}",
+        folder.lstrip("/").split("/", 1)[0],
+    )
+    if key in _CONDITIONAL_OK:
+        return
+    probe = posixpath.join(folder, f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
+    try:
+        fs.pipe_file(probe, b"first", mode="create")
+        try:
+            fs.pipe_file(probe, b"second", mode="create")
+        except FileExistsError:
+            _CONDITIONAL_OK.add(key)
+            return
+    finally:
+        try:
+            fs.rm_file(probe)
+        except OSError as exc:
+            log.warning("could not delete the conditional-write probe %s: %s", probe, exc)
+    raise LakeError(
+        f"the object store holding {folder} overwrote an object created with If-None-Match: * instead of "
+        "refusing the second create: it does not support conditional writes, on which every lake commit and "
+        "shard outcome rests (two landings could both commit). Use a store that supports them (AWS S3, "
+        "MinIO, Cloudflare R2 and moto do; check your store's documentation for If-None-Match on PUT) "
+        "or a lake on a local or shared disk"
+    )
 
 
 def host_id(capture_dir: str | os.PathLike[str]) -> str:
