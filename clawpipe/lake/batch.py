@@ -12,6 +12,8 @@ everything (:mod:`clawpipe.lake.manifest`). Calls a committed part already holds
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import posixpath
 import uuid
@@ -27,6 +29,8 @@ from clawpipe.lake import id_index, manifest, rows
 from clawpipe.lake.columns import CallColumns
 from clawpipe.lake.rollouts import merge_rollouts
 from clawpipe.tables import TMP_SUFFIX, LakeFS
+
+log = logging.getLogger(__name__)
 
 RECORD_PREVIEW = 2000
 # Fault injection for the kill tests: SIGKILL this process right after publishing the parts of the
@@ -204,8 +208,43 @@ class Batch:
         return cols.table(drop, blank=bad_rows)
 
     def commit(self, report: Any) -> None:
+        """Publish the batch and commit its manifest entry; a failure before the entry exists (a full disk)
+        rolls the batch back at once (:meth:`rollback`), so none of it stays visible. Folding entries into a
+        checkpoint afterwards may fail without harm: the entries stay and are folded by a later commit."""
         if self.empty and not self.rejects:
             return
+        seq_before = self.state.seq
+        try:
+            self._publish(report)
+        except BaseException:
+            if self.state.seq == seq_before:  # the entry was not made: nothing of this batch may count
+                self.rollback()
+            raise
+        if self.state.n_entries >= manifest.CHECKPOINT_EVERY:
+            try:
+                manifest.checkpoint(self.lake, self.state)
+            except OSError as exc:
+                manifest.sweep_temporary(self.lake, manifest.DIR)
+                log.warning("could not fold the manifest into a checkpoint (kept as entries): %s", exc)
+
+    def rollback(self) -> None:
+        """Undo this uncommitted batch now: close its writers and delete its parts (published or not), their
+        sidecars and temporary files, then its pending record. Space comes back and readers see nothing of it."""
+        for p in self.partitions.values():
+            if p.writer is not None:
+                with contextlib.suppress(Exception):  # a writer whose disk filled may fail to close as well
+                    p.writer.close()
+                p.writer, p.part, p.part_hashes = None, None, []
+        folders = {posixpath.dirname(part) for part in self.parts}
+        for part in self.parts:
+            self.lake.delete(part)
+            self.lake.delete(part + TMP_SUFFIX)
+        for folder in folders:
+            manifest.sweep_temporary(self.lake, folder, prefix=f"part-{self.id}")
+        manifest.sweep_temporary(self.lake, manifest.DIR)
+        self.lake.delete(f"{manifest.DIR}/pending-{self.id}.json")
+
+    def _publish(self, report: Any) -> None:
         self.flush_rows()
         if self.rejects:
             part = f"rejects/part-{self.id}.parquet"
@@ -228,8 +267,6 @@ class Batch:
         manifest.commit(self.lake, self.id, entry, self.state)
         self.state.merge(entry)
         self.state.n_entries += 1
-        if self.state.n_entries >= manifest.CHECKPOINT_EVERY:
-            manifest.checkpoint(self.lake, self.state)
 
 
 def _open_writer(lake: LakeFS, rel: str) -> pq.ParquetWriter:

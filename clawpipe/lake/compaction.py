@@ -15,6 +15,7 @@ killed part-way is finished or undone by the next one (:func:`finish_interrupted
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -26,7 +27,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clawpipe import schemas
+from clawpipe import capture, schemas
+from clawpipe.errors import LakeError
 from clawpipe.lake import manifest
 from clawpipe.tables import COMPACT_PREFIX, STAGING, TMP_SUFFIX, LakeFS, conform
 
@@ -56,14 +58,52 @@ def _partition_dirs(lake: LakeFS, table: str) -> list[str]:
 
 
 def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows: int, report: CompactionReport) -> None:
-    schema = schemas.TABLES[table]
     # object stores: merged files go beside the old ones, unpublished, until the compaction record exists
     staged = f"{STAGING}/{uuid.uuid4().hex}" if lake.is_local else rel
+    written: list[str] = []
+    try:
+        _merge(lake, table, rel, files, max_rows, report, staged, written)
+    except (OSError, MemoryError) as exc:
+        # the partition was not touched yet: drop what was staged (space comes back) and say why
+        message = _stopped(lake, rel, exc)
+        if lake.is_local:
+            lake.delete_dir(staged)
+        else:
+            for f in written:
+                lake.delete(f + TMP_SUFFIX)
+        raise LakeError(message) from exc
+    report.partitions += 1
+    report.files_before += len(files)
+    report.files_after += len(written)
+
+
+def _stopped(lake: LakeFS, rel: str, exc: OSError | MemoryError) -> str:
+    if isinstance(exc, OSError):
+        why = capture.write_failure(exc, lake.root) if lake.is_local else str(exc)
+    else:
+        why = f"out of memory ({exc or 'MemoryError'})"
+    return (
+        f"compacting {lake.url}/{rel} stopped: {why}. The partition is unchanged (the merged files were removed); "
+        "run the compaction again once that is fixed"
+    )
+
+
+def _merge(
+    lake: LakeFS,
+    table: str,
+    rel: str,
+    files: list[str],
+    max_rows: int,
+    report: CompactionReport,
+    staged: str,
+    written: list[str],
+) -> None:
+    """Merge ``files`` into new ones under ``staged`` (their names appended to ``written``) and put them in place."""
+    schema = schemas.TABLES[table]
     seen: set[str] = set()
     writer: pq.ParquetWriter | None = None
     out_rel = ""
     rows_in_file = 0
-    written: list[str] = []
     for f in files:
         pf = pq.ParquetFile(lake.full(f), filesystem=lake.fs)
         for rg in range(pf.num_row_groups):
@@ -93,7 +133,12 @@ def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows:
                 writer = lake.open_parquet_writer(out_rel, schema)
                 written.append(out_rel)
                 rows_in_file = 0
-            writer.write_table(t, row_group_size=1 << 20)
+            try:
+                writer.write_table(t, row_group_size=1 << 20)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a writer whose disk filled may fail to close as well
+                    writer.close()
+                raise
             rows_in_file += t.num_rows
             report.rows += t.num_rows
     if writer is not None:
@@ -107,9 +152,6 @@ def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows:
         lake.delete_dir(staged)
     else:
         _exchange_remote(lake, files, written)
-    report.partitions += 1
-    report.files_before += len(files)
-    report.files_after += len(written)
 
 
 def _exchange_remote(lake: LakeFS, old: list[str], new: list[str]) -> None:

@@ -29,6 +29,7 @@ import orjson
 import pyarrow as pa
 
 from clawpipe import capture, objstore
+from clawpipe.errors import LakeError
 from clawpipe.lake import manifest, records, sources
 from clawpipe.lake.batch import RECORD_PREVIEW, Batch, Partition
 from clawpipe.lake.rollouts import coerce_rollout
@@ -226,6 +227,22 @@ class _Lander:
         batch.advance_results(key, start, end)
 
 
+def _stopped(lake: LakeFS, report: LandingReport, exc: OSError | MemoryError) -> str:
+    """Why a landing stopped (a full disk, no descriptor or memory left) and what to do, for a person."""
+    if isinstance(exc, OSError):
+        where = lake.root if lake.is_local else lake.url
+        why = capture.write_failure(exc, where) if lake.is_local else f"{exc}"
+        if exc.filename:
+            why = f"{exc.filename}: {why}"
+    else:
+        why = f"out of memory ({exc or 'MemoryError'}); give the landing more memory or a smaller batch_bytes"
+    return (
+        f"landing into {lake.url} stopped: {why}. The batch under way was rolled back (none of it is visible); "
+        f"the {report.batches} batches committed before it stay. Run the landing again once that is fixed: "
+        "it lands the rest, every call exactly once."
+    )
+
+
 def _land(
     captures_dir: str | os.PathLike[str],
     lake_root: str | os.PathLike[str],
@@ -240,11 +257,16 @@ def _land(
     with manifest.lake_lock(lake) as lease:
         state = manifest.load(lake, lease)
         lander = _Lander(lake, state, batch_bytes=batch_bytes, row_group_bytes=row_group_bytes, progress=progress)
-        for seg in sources.list_segments(captures):
-            lander.land_segment(seg)
-        for key, path in sources.list_results(captures):
-            lander.land_results(key, path)
-        lander.commit()
+        try:
+            for seg in sources.list_segments(captures):
+                lander.land_segment(seg)
+            for key, path in sources.list_results(captures):
+                lander.land_results(key, path)
+            lander.commit()
+        except (OSError, MemoryError) as exc:
+            message = _stopped(lake, lander.report, exc)  # the space as it was when the write failed
+            lander.batch.rollback()  # nothing of the batch under way stays visible or takes space
+            raise LakeError(message) from exc
     report = lander.report
     report.partitions = {k for k, p in lander.partitions.items() if p.landed}
     report.seconds = time.perf_counter() - t0

@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import posixpath
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,6 +97,8 @@ def load(lake: LakeFS, lease: Lease | None = None) -> ManifestState:
     """Read the manifest, rolling back every uncommitted batch first."""
     if lease is not None and lease.took_over:
         fence(lake)  # before rolling back: the previous holder's batch must not commit after that
+    if lake.is_local:  # what a writer that failed or was killed mid-write left (the caller holds the lock)
+        sweep_temporary(lake, DIR)
     names = _entry_names(lake)
     state = ManifestState(lease=lease)
     committed: set[str] = set()
@@ -155,13 +158,23 @@ def commit(lake: LakeFS, batch: str, entry: dict[str, Any], state: ManifestState
             f"another writer committed entry {seq} of {lake.url} first; this batch was rolled back, "
             "run the landing again"
         )
+    state.seq = seq  # made: from here on the batch counts, whatever fails next (callers must not roll it back)
     if any(n.startswith("checkpoint-") and _seq(n) >= seq for n in _entry_names(lake)):
         # a writer that fenced us out has already folded and deleted entry `seq`: ours came too late
         lake.delete(name)
         rollback(lake, batch)
+        state.seq = seq - 1
         raise LakeError(f"entry {seq} of {lake.url} was already checkpointed by another writer; run again")
-    state.seq = seq
     lake.delete(f"{DIR}/pending-{batch}.json")
+
+
+def sweep_temporary(lake: LakeFS, folder: str, prefix: str = "") -> None:
+    """Delete the temporary files (``*.inprogress``) a failed write left in ``folder`` (those whose names start
+    with ``prefix``). Only for folders that nobody but the lake's lock holder writes (this one, partitions of
+    ``model_calls``, ``rejects``): the caller holds the lock."""
+    for rel in lake.list_files(folder, suffix=TMP_SUFFIX, recursive=False):
+        if posixpath.basename(rel).startswith(prefix):
+            lake.delete(rel)
 
 
 def load_seq(lake: LakeFS) -> ManifestState:

@@ -3,6 +3,7 @@ its partition so that per rollout_id the latest attempt wins."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pyarrow as pa
@@ -35,4 +36,15 @@ def merge_rollouts(lake: LakeFS, run_id: str, iteration: int, new_rows: list[dic
         if cur is None or key >= cur[0]:
             best[row["rollout_id"]] = (key, row)
     merged = [r for _, r in sorted(best.values(), key=lambda kv: kv[0][1])]
-    tables.replace_partition(lake, "rollouts", run_id, iteration, pa.Table.from_pylist(merged, schema=schemas.ROLLOUTS))
+    _replace(lake, rel, pa.Table.from_pylist(merged, schema=schemas.ROLLOUTS))
+
+
+def _replace(lake: LakeFS, rel: str, table: pa.Table) -> None:
+    """Swap the partition at ``rel`` for one file of ``table`` (:func:`clawpipe.tables.replace_partition`'s way),
+    removing the staged copy also when writing it fails (a full disk keeps no half-written file)."""
+    staged = f"{tables.STAGING}/{uuid.uuid4().hex}"
+    try:
+        lake.write_parquet(f"{staged}/part-{uuid.uuid4().hex}.parquet", table)
+        lake.swap_dir(staged, rel)
+    finally:
+        lake.delete_dir(staged)
