@@ -14,18 +14,33 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import logging
 import math
+import os
+import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from clawpipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-MAX_PARAM_LEN = 6000  # mlflow's limit on a param value
+MAX_PARAM_LEN = 6000  # MLflow's limit on a param value, in characters
+MAX_KEY_LEN = 250  # MLflow's limit on a param or metric name
+_BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")  # what MLflow refuses in a name (it allows \w, / . - space :)
+_RETRY_AFTER_S = 60.0  # a tracking store that failed is tried again this long after, not on every call
+# MLflow retries a request to a server that is away for minutes (7 retries, backoff factor 2); a run's
+# logging must not stall its iterations that long, so a few quick retries, then the store counts as away.
+_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+}
 
 
 class Tracker(Protocol):
@@ -34,6 +49,7 @@ class Tracker(Protocol):
     ) -> str | None: ...
     def log_params(self, params: Mapping[str, Any]) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+    def mark_running(self) -> None: ...
     def end(self, status: str = "FINISHED") -> None: ...
 
 
@@ -53,25 +69,69 @@ class NullTracker:
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         return None
 
+    def mark_running(self) -> None:
+        return None
+
     def end(self, status: str = "FINISHED") -> None:
         return None
 
 
+def tracking_name(name: str) -> str:
+    """``name`` as MLflow takes it for a param or metric: characters it refuses become ``_``, path-like parts
+    (``//``, ``./``, ``../``, a leading ``/``) are flattened, and a name over 250 characters is cut, ending in
+    8 hex digits of its hash so that two long names stay apart."""
+    out = _BAD_NAME_CHARS.sub("_", name)
+    parts = [p if p not in (".", "..") else p.replace(".", "_") for p in out.split("/") if p]
+    out = "/".join(parts) or "_"
+    if len(out) > MAX_KEY_LEN:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        out = f"{out[: MAX_KEY_LEN - 9]}-{digest}"
+    return out
+
+
+def param_value(value: object) -> str:
+    """``str(value)``, or for one over MLflow's 6000 characters its start and a note of its full length and
+    hash (two long values differing near their end stay different)."""
+    text = str(value)
+    if len(text) <= MAX_PARAM_LEN:
+        return text
+    note = f"...[{len(text)} chars, sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]}]"
+    return text[: MAX_PARAM_LEN - len(note)] + note
+
+
 def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested mappings to dotted keys with string values (truncated to MLflow's limit)."""
+    """Nested mappings to dotted keys with string values (shortened to MLflow's limit, see param_value)."""
     out: dict[str, str] = {}
     for key, value in params.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
             out.update(flatten(value, f"{name}."))
         else:
-            out[name] = str(value)[:MAX_PARAM_LEN]
+            out[name] = param_value(value)
     return out
+
+
+class _Outage:
+    """A tracking store that stopped answering, per URI and process: said once when it fails, retried
+    every ``_RETRY_AFTER_S`` seconds (the calls between are dropped and counted), said once when back."""
+
+    def __init__(self) -> None:
+        self.down_since: float | None = None
+        self.retry_at = 0.0
+        self.dropped = 0
+
+
+_OUTAGES: dict[str, _Outage] = {}
 
 
 class MlflowTracker:
     """Logs to MLflow with batched calls (one log_batch per step: log_metric in a loop is slow,
-    docs/ARCHITECTURE.md)."""
+    docs/ARCHITECTURE.md).
+
+    Logging never fails the run: names MLflow refuses are rewritten (:func:`tracking_name`), long param
+    values shortened (:func:`param_value`), and a store that stops answering is reported once, with the
+    calls dropped meanwhile counted when it answers again. Attached to an existing run (a resumed run,
+    a training step), a (metric, step) point already there is not logged a second time."""
 
     def __init__(self, experiment: str = "clawpipe", tracking_uri: str | None = None) -> None:
         import mlflow
@@ -79,22 +139,76 @@ class MlflowTracker:
 
         self._mlflow = mlflow
         self.tracking_uri = tracking_uri or get_settings().tracking_uri
+        if self.tracking_uri.startswith(("http://", "https://")):
+            for key, value in _HTTP_DEFAULTS.items():
+                os.environ.setdefault(key, value)
         self.experiment = experiment
         with _store_lock(self.tracking_uri):
             self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id: str | None = None
         self._logged: dict[str, str] = {}
+        self._latest_step: dict[str, int] = {}  # of each metric already in an attached run
+        self._steps: dict[str, set[int]] = {}  # steps of a metric known to be logged (history read on need)
+        self._outage = _OUTAGES.setdefault(self.tracking_uri, _Outage())
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None when the store fails (said once per outage) or is away until its retry time."""
+        import time
+
+        outage = self._outage
+        if outage.down_since is not None and time.monotonic() < outage.retry_at:
+            outage.dropped += 1
+            return None
+        try:
+            result = fn()
+        except Exception as exc:
+            if outage.down_since is None:
+                outage.down_since = time.monotonic()
+                log.warning(
+                    "MLflow at %s failed to %s (%s: %s); the run goes on without tracking until it answers "
+                    "again (tried every %.0f s, said once)",
+                    self.tracking_uri,
+                    what,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0][:300] if str(exc) else "",
+                    _RETRY_AFTER_S,
+                )
+            outage.dropped += 1
+            outage.retry_at = time.monotonic() + _RETRY_AFTER_S
+            return None
+        if outage.down_since is not None:
+            log.warning(
+                "MLflow at %s answers again after %.0f s; %d tracking call(s) of this process were dropped meanwhile",
+                self.tracking_uri,
+                time.monotonic() - outage.down_since,
+                outage.dropped,
+            )
+            outage.down_since, outage.dropped = None, 0
+        return result
+
+    def _done(self, what: str, fn: Callable[[], object]) -> bool:
+        """Whether ``fn()`` (a call that returns nothing) reached the store."""
+        return self._call(what, lambda: (fn(), True)[1]) is not None
 
     def start_run(
         self, run_name: str | None = None, *, mlflow_run_id: str | None = None, tags: Mapping[str, str] | None = None
-    ) -> str:
+    ) -> str | None:
         if mlflow_run_id is not None:
             self.run_id = mlflow_run_id
-            existing = self.client.get_run(mlflow_run_id).data.params
-            self._logged = dict(existing)
+            run = self._call("read the run", lambda: self.client.get_run(mlflow_run_id))
+            if run is not None:
+                self._logged = dict(run.data.params)
+                latest = getattr(run.data, "_metric_objs", None)
+                if latest is None:  # no steps given: every existing metric's history is read when logged to
+                    self._latest_step = {k: -1 for k in run.data.metrics}
+                else:
+                    self._latest_step = {m.key: int(m.step) for m in latest}
             return mlflow_run_id
-        run = self.client.create_run(self._experiment_id(), run_name=run_name, tags=dict(tags or {}))
-        self.run_id = run.info.run_id
+        run = self._call(
+            "create a run",
+            lambda: self.client.create_run(self._experiment_id(), run_name=run_name, tags=dict(tags or {})),
+        )
+        self.run_id = None if run is None else run.info.run_id
         return self.run_id
 
     def _experiment_id(self) -> str:
@@ -108,25 +222,28 @@ class MlflowTracker:
                 self.client.create_experiment(self.experiment, artifact_location=_artifact_root(self.tracking_uri))
             )
 
-    def _require_run(self) -> str:
+    def _require_run(self) -> str | None:
         if self.run_id is None:
             self.start_run()
-        assert self.run_id is not None
         return self.run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
         run_id = self._require_run()
-        flat = flatten(params)
+        if run_id is None:
+            return
+        flat = {tracking_name(k): v for k, v in flatten(params).items()}
         new = {k: v for k, v in flat.items() if k not in self._logged}
         changed = {k: v for k, v in flat.items() if k in self._logged and self._logged[k] != v}
         if changed:
             log.warning("params already logged with other values are kept as they were: %s", sorted(changed))
         items = [Param(k, v) for k, v in new.items()]
         for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
-            self.client.log_batch(run_id, params=items[i : i + 100])
-        self._logged.update(new)
+            batch = items[i : i + 100]
+            if not self._done("log params", functools.partial(self.client.log_batch, run_id, params=batch)):
+                return  # the rest would fail alike; not marked as logged, so a later call sends them
+            self._logged.update((p.key, p.value) for p in batch)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         import time
@@ -134,18 +251,49 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         run_id = self._require_run()
-        ts = int(time.time() * 1000)
+        if run_id is None:
+            return
+        ts, at = int(time.time() * 1000), int(step or 0)
         items = [
-            Metric(k, float(v), ts, int(step or 0))
+            Metric(tracking_name(k), float(v), ts, at)
             for k, v in metrics.items()
             if isinstance(v, int | float) and math.isfinite(float(v))
         ]
-        for i in range(0, len(items), 1000):
-            self.client.log_batch(run_id, metrics=items[i : i + 1000])
+        fresh = [m for m in items if not self._has_point(run_id, m.key, at)]
+        if len(fresh) < len(items):
+            log.info(
+                "step %d: %d metric(s) already logged at this step are kept, not logged twice",
+                at,
+                len(items) - len(fresh),
+            )
+        for i in range(0, len(fresh), 1000):
+            batch = fresh[i : i + 1000]
+            if not self._done("log metrics", functools.partial(self.client.log_batch, run_id, metrics=batch)):
+                return
+            for m in batch:
+                self._steps.setdefault(m.key, set()).add(at)
+
+    def _has_point(self, run_id: str, key: str, step: int) -> bool:
+        """Whether the run holds ``key`` at ``step`` already (a resumed run redoing a cut-off iteration)."""
+        if key in self._steps and step in self._steps[key]:
+            return True
+        latest = self._latest_step.get(key)
+        if latest is None or (latest >= 0 and step > latest) or key in self._steps:
+            return False  # a new metric, or a step after the run's last one: nothing to read
+        history = self._call("read metric history", lambda: self.client.get_metric_history(run_id, key))
+        self._steps[key] = {int(m.step) for m in history or []}
+        return step in self._steps[key]
+
+    def mark_running(self) -> None:
+        """Show the run as RUNNING again (a resumed run whose earlier process ended it KILLED or FAILED)."""
+        run_id = self.run_id
+        if run_id is not None:
+            self._call("mark the run running", lambda: self.client.update_run(run_id, status="RUNNING"))
 
     def end(self, status: str = "FINISHED") -> None:
-        if self.run_id is not None:
-            self.client.set_terminated(self.run_id, status=status)
+        run_id = self.run_id
+        if run_id is not None:
+            self._call(f"end the run as {status}", lambda: self.client.set_terminated(run_id, status=status))
 
 
 def _sqlite_file(uri: str) -> Path | None:

@@ -46,7 +46,12 @@ def open_run(
             raise ConfigError("resume needs the run id to continue")
         state = RunState.load(settings.runs_dir, run_id)
         log.info("resuming run %s at iteration %d", run_id, state.next_iteration)
-        check_prerequisites(PipelineConfig.model_validate(state.config))
+        resumed = PipelineConfig.model_validate(state.config)
+        check_prerequisites(resumed)
+        if state.mlflow_run_id:  # the same MLflow run goes on: RUNNING again after a kill or a cancel
+            tracker = make_tracker(experiment=resumed.experiment)
+            tracker.start_run(mlflow_run_id=state.mlflow_run_id)
+            tracker.mark_running()
         return state
     cfg = cfg or PipelineConfig()
     if run_id and (settings.runs_dir / run_id / "state.json").is_file():  # a new run must not overwrite a run
@@ -56,7 +61,12 @@ def open_run(
     state = RunState(run_id=run_id, config=cfg.model_dump(), policy_dir=str(ensure_policy(cfg, settings)))
     tracker = make_tracker(experiment=cfg.experiment)
     state.mlflow_run_id = tracker.start_run(run_id, tags={"clawpipe.run_id": run_id, "git": git_revision})
-    tracker.log_params({"run_id": run_id, **cfg.model_dump(), "git_revision": git_revision})
+    # the trainer's settings whole (defaults included, as the trainer logs them): runs of configs that set
+    # different train keys still have the same param names, and the same values for the same settings
+    train_params = make_train_config(cfg).flat_params()
+    tracker.log_params(
+        {"run_id": run_id, **cfg.model_dump(exclude={"train"}), "train": train_params, "git_revision": git_revision}
+    )
     state.save(settings.runs_dir)
     return state
 
@@ -79,11 +89,22 @@ def log_run_end(cfg: PipelineConfig, state: RunState, result: dict[str, Any]) ->
     """Close the run's MLflow run with its peak memory and wall time."""
     from clawpipe.tracking import make_tracker
 
-    tracker = make_tracker(experiment=cfg.experiment)
+    tracker = make_tracker(bool(state.mlflow_run_id), experiment=cfg.experiment)
     tracker.start_run(mlflow_run_id=state.mlflow_run_id)
     metrics = {"run/peak_memory_mb": state.peak_memory_mb, "run/seconds": result["seconds"]}
     tracker.log_metrics(metrics, step=cfg.iterations)
     tracker.end()
+
+
+def end_tracking(cfg: PipelineConfig, state: RunState, status: str) -> None:
+    """End the run's MLflow run as ``status`` (KILLED, FAILED) when the run stops early, so it does not show
+    as RUNNING for ever; a resume marks it RUNNING again."""
+    from clawpipe.tracking import make_tracker
+
+    if state.mlflow_run_id:
+        tracker = make_tracker(experiment=cfg.experiment)
+        tracker.start_run(mlflow_run_id=state.mlflow_run_id)
+        tracker.end(status)
 
 
 def evaluates(cfg: PipelineConfig, iteration: int) -> bool:
@@ -364,14 +385,9 @@ def train(
     (``exclude_side_calls_harnesses``), unless ``train.exclude_side_calls_harnesses`` is set in the config.
     """
     from clawpipe.configfile import write_config
-    from clawpipe.sandbox.manifest import find_harness
-    from clawpipe.train.config import make_config
 
     train_values = dict(cfg.train)
-    if "exclude_side_calls_harnesses" not in train_values:
-        names = dict.fromkeys(h.name for h in cfg.harnesses)
-        train_values["exclude_side_calls_harnesses"] = [n for n in names if find_harness(n).exclude_side_calls]
-    config_path = write_config(make_config(**train_values), out_dir / f"train-config-{iteration}.json")
+    config_path = write_config(make_train_config(cfg), out_dir / f"train-config-{iteration}.json")
     metrics_path = out_dir / f"metrics-{iteration}.json"
     cmd = [
         sys.executable,
@@ -410,6 +426,19 @@ def train(
         if proc.returncode != 0:
             raise TrainingError(f"training step failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return dict(json.loads(metrics_path.read_text()))
+
+
+def make_train_config(cfg: PipelineConfig) -> Any:
+    """The run's trainer config: its ``train`` table over the trainer's defaults, plus the harnesses whose
+    manifest sets ``[training] exclude_side_calls = true`` unless the table names them itself."""
+    from clawpipe.sandbox.manifest import find_harness
+    from clawpipe.train.config import make_config
+
+    train_values = dict(cfg.train)
+    if "exclude_side_calls_harnesses" not in train_values:
+        names = dict.fromkeys(h.name for h in cfg.harnesses)
+        train_values["exclude_side_calls_harnesses"] = [n for n in names if find_harness(n).exclude_side_calls]
+    return make_config(**train_values)
 
 
 def start_trainer(cfg: PipelineConfig, settings: Settings, run_id: str) -> None:
