@@ -15,11 +15,13 @@ response over the size limit, body over the budget, shutdown, an internal error)
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from clawpipe import capture
 from clawpipe.capture import HEADER_FORMAT, CaptureHeader
 from clawpipe.errors import ClawpipeError
 from clawpipe.keys import RolloutKey
@@ -41,6 +43,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TOKEN_IDS_KEY = b'"token_ids"'
+# errors of the proxy's own process or host when it opens an upstream connection (no descriptor, no buffer
+# or memory left): the replica is not at fault, so it is neither marked down nor swapped for another
+_LOCAL_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+
+
+class OutOfDescriptors(ClawpipeError):
+    """The proxy could not open an upstream connection for lack of its own resources (a 503 to the client)."""
 
 
 class CallOwner(Protocol):
@@ -241,6 +250,8 @@ class CallPath:
             rep.in_flight += 1  # no await between pick and here: concurrent picks see this call's load
             try:
                 sent = await self._exchange(rep, request, call, conn)
+            except OutOfDescriptors as exc:  # the proxy's own limit, not the replica's fault: none is marked down
+                return call, False, (503, str(exc))
             finally:
                 rep.in_flight -= 1
             if self.owner.stopping:
@@ -332,7 +343,15 @@ class CallPath:
         for attempt in range(2):
             try:
                 up, reused = await rep.acquire()
-            except (OSError, TimeoutError) as exc:
+            except OSError as exc:
+                if exc.errno in _LOCAL_ERRNOS:
+                    raise OutOfDescriptors(
+                        f"the proxy could not open a connection to {rep.url}: "
+                        f"{capture.write_failure(exc, '.')}; retry shortly"
+                    ) from exc
+                call.error = f"upstream {rep.url} unreachable: {type(exc).__name__}: {exc}"
+                return False
+            except TimeoutError as exc:
                 call.error = f"upstream {rep.url} unreachable: {type(exc).__name__}: {exc}"
                 return False
             if conn.closed:

@@ -1,0 +1,138 @@
+"""The capture proxy out of file descriptors: a real ``clawpipe proxy`` process under a low RLIMIT_NOFILE, more
+client connections than it may hold, calls in flight.
+
+Accept errors neither spin its event loop nor stop its server; a call that needs an upstream connection the
+proxy cannot open is a 503 naming the limit (the upstream is not marked down for the proxy's own shortage);
+the calls in flight finish and are captured once; once connections close it serves again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clawpipe.lake import land, run_sql
+from tests.proxy.conftest import ADMIN, SECRET, key_for
+from tests.support.net import read_all
+from tests.support.upstream import ScriptedUpstream, say
+
+ROOT = Path(__file__).resolve().parents[2]
+FD_LIMIT = 96
+IN_FLIGHT = 4
+
+
+def start_proxy(upstream: str, capture_dir: Path, ready: Path) -> subprocess.Popen[bytes]:
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, {FD_LIMIT}))\n"
+        "from clawpipe.proxy.run import run_proxy\n"
+        f"run_proxy(upstreams=[{upstream!r}], capture_dir={str(capture_dir)!r}, secret={SECRET!r}, "
+        f"admin_token={ADMIN!r}, port=0, ready_file={str(ready)!r})\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while not ready.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def raw_call(port: int, content: str) -> bytes:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode()
+    head = (
+        f"POST /r/{key_for('rfd')}/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+@pytest.mark.slow
+def test_a_proxy_out_of_descriptors_refuses_clearly_keeps_serving_and_captures_calls_once(tmp_path: Path) -> None:
+    up = ScriptedUpstream(default=say("fine"), delay_s=3.0).start()
+    cap = tmp_path / "cap"
+    proc = start_proxy(up.url, cap, tmp_path / "ready")
+    url = (tmp_path / "ready").read_text().strip()
+    port = int(url.rsplit(":", 1)[1])
+    idle: list[socket.socket] = []
+    try:
+        # calls in flight, each holding a client and an upstream connection for 3 s
+        results: list[int] = []
+
+        def one(i: int) -> None:
+            r = httpx.post(
+                f"{url}/r/{key_for('rfd')}/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": f"in flight {i}"}]},
+                timeout=30,
+            )
+            results.append(r.status_code)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(IN_FLIGHT)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(up.model_requests()) < IN_FLIGHT:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # twice as many idle connections as the proxy may hold descriptors
+        for _ in range(2 * FD_LIMIT):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.settimeout(10)
+            idle.append(s)
+        time.sleep(0.3)
+        used = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        assert used >= FD_LIMIT - 2  # the proxy is at its limit
+        c0 = cpu_s(proc.pid)
+        time.sleep(1.5)
+        assert cpu_s(proc.pid) - c0 < 0.3  # no accept loop spinning at 100%
+
+        # a call on a connection the proxy holds: its upstream connection cannot be opened -> a clear 503
+        idle[0].sendall(raw_call(port, "no descriptor left"))
+        answer = read_all(idle[0]).decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 503"), answer[:200]
+        assert "Too many open files" in answer and f"{FD_LIMIT} open files (RLIMIT_NOFILE)" in answer
+
+        for t in threads:
+            t.join(30)
+        assert results == [200] * IN_FLIGHT  # the calls in flight finished
+        for s in idle:
+            s.close()
+        idle.clear()
+        time.sleep(0.3)
+        up.delay_s = 0.0
+        r = httpx.post(
+            f"{url}/r/{key_for('rfd')}/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "after"}]},
+            timeout=30,
+        )
+        assert r.status_code == 200  # the server kept accepting: it serves again
+        replicas = httpx.get(f"{url}/admin/replicas", headers={"authorization": f"Bearer {ADMIN}"}).json()
+        (rep,) = replicas["replicas"]
+        assert rep["state"] == "up" and rep["errors"] == 0  # the proxy's own shortage is not the upstream's
+    finally:
+        for s in idle:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        up.stop()
+    lake = tmp_path / "lake"
+    land(cap, lake)
+    rows = run_sql(lake, "select http_status, count(*) as n, count(distinct call_id) as d from model_calls group by 1")
+    assert sorted((r["http_status"], r["n"], r["d"]) for r in rows.to_pylist()) == [
+        (200, IN_FLIGHT + 1, IN_FLIGHT + 1),
+        (503, 1, 1),
+    ]
