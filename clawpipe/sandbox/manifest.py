@@ -300,8 +300,26 @@ def check_env(env: Any, where: str) -> dict[str, str]:
             raise ManifestError(f"{where} {k} must be a string, got {type(v).__name__} (quote it)")
         if "\0" in v:  # no process can be started with it: every rollout would fail at launch
             raise ManifestError(f"{where} {k} holds a NUL character; an environment value cannot carry one")
+        unknown = sorted({m.group(1) for m in _REF_RE.finditer(v) if m.group(1) and m.group(1) not in RESERVED_ENV})
+        if unknown:
+            raise ManifestError(
+                f"{where} {k} refers to ${{{unknown[0]}}}: a value may refer only to the variables the runner sets "
+                f"({', '.join(sorted(RESERVED_ENV))}); write $$ for a literal $"
+            )
         out[k] = v
     return out
+
+
+# ``${NAME}`` in an [env] value: a variable the runner sets (so a harness that reads its endpoint under a name
+# of its own gets it, e.g. LLM_BASE = "${OPENAI_BASE_URL}"); ``$$`` is a literal ``$``; a lone ``$`` stays.
+_REF_RE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(value: str, runner: Mapping[str, str]) -> str:
+    """``value`` with its ``${NAME}`` references to the runner's variables filled in and ``$$`` made ``$``."""
+    if "$" not in value:
+        return value
+    return _REF_RE.sub(lambda m: runner.get(m.group(1), m.group(0)) if m.group(1) else "$", value)
 
 
 def load_manifest(path: str | Path) -> HarnessManifest:

@@ -204,6 +204,7 @@ def test_isolation_from_inside(backend: str, tmp_path: Path, upstream: Upstream,
     key = p["env"]["OPENAI_API_KEY"]
     assert set(p["env"]) == {
         "OPENAI_BASE_URL",
+        "OPENAI_API_BASE",
         "OPENAI_API_KEY",
         "ANTHROPIC_BASE_URL",
         "ANTHROPIC_API_KEY",
@@ -224,6 +225,7 @@ def test_isolation_from_inside(backend: str, tmp_path: Path, upstream: Upstream,
         *(["HOSTNAME", "PWD"] if backend == "docker" else ["PWD"]),  # docker: its sh launcher sets PWD too
     }
     assert p["env"]["DECLARED"] == "yes" and p["env"]["ANTHROPIC_API_KEY"] == key
+    assert p["env"]["OPENAI_API_BASE"] == p["env"]["OPENAI_BASE_URL"]
     # The only key the harness holds is its own; minting another rollout's key needs the host's secret.
     assert verify_key(SECRET, key).rollout_id == res[0].rollout_id
     assert key != mint_key(SECRET, run_id="r", iteration=0, rollout_id=res[1].rollout_id)

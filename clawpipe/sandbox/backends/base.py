@@ -20,7 +20,7 @@ from typing import Protocol
 from clawpipe.errors import SandboxError
 from clawpipe.sandbox.bridge import Bridge, Route
 from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_file_size_limit, apply_rlimits
-from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest
+from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest, expand_env
 from clawpipe.sandbox.uids import SHARED_GID, SHARED_UID, SHARED_USER, SandboxUser
 
 SANDBOX_USER_NAME = "sandbox"
@@ -145,26 +145,28 @@ def harness_env(
     """
     base = f"http://127.0.0.1:{port}/r/{job.key}"
     env = {"LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": "/tmp"}
-    env.update(job.manifest.env)  # declared variables may override the defaults above, not what follows
-    env.update(
-        {
-            "OPENAI_BASE_URL": f"{base}/v1",
-            "OPENAI_API_KEY": job.key,
-            "ANTHROPIC_BASE_URL": base,
-            "ANTHROPIC_API_KEY": job.key,
-            "CLAWPIPE_MODEL": job.model,
-            "OPENAI_MODEL": job.model,
-            "ANTHROPIC_MODEL": job.model,
-            "CLAWPIPE_TASK": task_path,
-            "CLAWPIPE_WORKDIR": workdir,
-            "CLAWPIPE_OUTPUT": f"{workdir}/out",
-            "HOME": f"{workdir}/home",
-            "PATH": ":".join([*path_dirs, "/usr/local/bin", "/usr/bin", "/bin"]),
-            "CLAWPIPE_TIMEOUT_S": str(job.timeout_s),
-        }
-    )
+    # the name older openai SDKs, LangChain and LiteLLM read the endpoint from; a manifest may set it otherwise
+    env["OPENAI_API_BASE"] = f"{base}/v1"
+    runner = {
+        "OPENAI_BASE_URL": f"{base}/v1",
+        "OPENAI_API_KEY": job.key,
+        "ANTHROPIC_BASE_URL": base,
+        "ANTHROPIC_API_KEY": job.key,
+        "CLAWPIPE_MODEL": job.model,
+        "OPENAI_MODEL": job.model,
+        "ANTHROPIC_MODEL": job.model,
+        "CLAWPIPE_TASK": task_path,
+        "CLAWPIPE_WORKDIR": workdir,
+        "CLAWPIPE_OUTPUT": f"{workdir}/out",
+        "HOME": f"{workdir}/home",
+        "PATH": ":".join([*path_dirs, "/usr/local/bin", "/usr/bin", "/bin"]),
+        "CLAWPIPE_TIMEOUT_S": str(job.timeout_s),
+    }
     if job.manifest.kit_dir is not None:
-        env[KIT_ENV] = kit_path
+        runner[KIT_ENV] = kit_path
+    # declared variables may override the defaults above, not the runner's own; they may refer to those
+    env.update({k: expand_env(v, runner) for k, v in job.manifest.env.items()})
+    env.update(runner)
     return env
 
 
