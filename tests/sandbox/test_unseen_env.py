@@ -46,7 +46,7 @@ def test_a_harness_reading_the_endpoint_under_its_own_names_reaches_the_model(
     }
     m = load_manifest(make_harness(tmp_path, "own-names", OWN_NAMES, env=env))
     (result,) = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend=backend, keep_workdirs=True)
-    assert (result.status, result.reward) == ("succeeded", 1.0), result.log_tail
+    assert (result.status, result.reward) == ("succeeded", 1.0), result.stderr_tail
     seen = json.loads((Path(result.workdir) / "out" / "env.json").read_text())
     assert seen["LLM_ENDPOINT"] == seen["OPENAI_BASE_URL"] == seen["OPENAI_API_BASE"]
     assert seen["LLM_ENDPOINT"].endswith("/v1") and "/r/" in seen["LLM_ENDPOINT"]
@@ -62,7 +62,7 @@ def test_a_harness_using_only_openai_api_base_reaches_the_model(
     env = {"BASE_VAR": "OPENAI_API_BASE", "KEY_VAR": "OPENAI_API_KEY"}
     m = load_manifest(make_harness(tmp_path, "legacy", OWN_NAMES, env=env))
     (result,) = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend="bwrap")
-    assert (result.status, result.reward) == ("succeeded", 1.0), result.log_tail
+    assert (result.status, result.reward) == ("succeeded", 1.0), result.stderr_tail
 
 
 @pytest.mark.parametrize("name", ["AWS_SECRET_ACCESS_KEY", "CLAWPIPE_ADMIN_TOKEN", "PWD", "openai_base_url"])
