@@ -70,3 +70,24 @@ def test_a_reference_to_anything_but_the_runner_s_variables_is_refused(tmp_path:
     folder = make_harness(tmp_path, "leaky", "print(1)\n", env={"X": "pre ${" + name + "} post"})
     with pytest.raises(ManifestError, match=r"refers to \$\{" + name + r"\}.*OPENAI_BASE_URL.*\$\$ for a literal"):
         load_manifest(folder)
+
+
+HOME_PROBE = """
+import json, os, pwd
+home = pwd.getpwuid(os.getuid()).pw_dir
+open(os.path.join(home, ".probe"), "w").write("x")  # tools that ask the user database write here
+out = os.environ["CLAWPIPE_OUTPUT"]
+open(os.path.join(out, "answer.txt"), "w").write("42")
+json.dump({"pw_dir": home, "HOME": os.environ["HOME"]}, open(os.path.join(out, "home.json"), "w"))
+"""
+
+
+@pytest.mark.sandbox
+def test_the_user_database_names_the_same_writable_home_as_home(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    m = load_manifest(make_harness(tmp_path, "home", HOME_PROBE))
+    (result,) = run(specs_for(m, echo, 1), upstream, tmp_path, echo, backend="bwrap", keep_workdirs=True)
+    assert result.status == "succeeded", result.stderr_tail
+    seen = json.loads((Path(result.workdir) / "out" / "home.json").read_text())
+    assert seen["pw_dir"] == seen["HOME"]

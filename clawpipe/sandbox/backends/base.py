@@ -122,11 +122,12 @@ def takes_own_uids(backend: Backend) -> bool:
 
 
 def identity_files(user: SandboxUser) -> tuple[str, str]:
-    """/etc/passwd and /etc/group of a sandbox whose processes run as ``user``: it is "sandbox" (home
-    /nonexistent), beside root and, when it is another uid, the usual nobody/nogroup."""
-    passwd = (
-        f"root:x:0:0:root:/root:/bin/sh\n{SANDBOX_USER_NAME}:x:{user.uid}:{user.gid}:sandbox:/nonexistent:/bin/sh\n"
-    )
+    """/etc/passwd and /etc/group of a sandbox whose processes run as ``user``: it is "sandbox", beside root
+    and, when it is another uid, the usual nobody/nogroup. Its home is the one $HOME names (the work dir's
+    ``home``), so a tool that asks the user database rather than $HOME (ssh, some git and pip paths) finds
+    the same writable folder."""
+    home = f"{INNER_WORKDIR}/home"
+    passwd = f"root:x:0:0:root:/root:/bin/sh\n{SANDBOX_USER_NAME}:x:{user.uid}:{user.gid}:sandbox:{home}:/bin/sh\n"
     group = f"root:x:0:\n{SANDBOX_USER_NAME}:x:{user.gid}:\n"
     if not user.shared:
         passwd += f"nobody:x:{SHARED_UID}:{SHARED_GID}:nobody:/nonexistent:/usr/sbin/nologin\n"
