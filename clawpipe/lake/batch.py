@@ -90,6 +90,7 @@ class Batch:
         self.results: dict[str, list[int]] = {}
         self.rejects: list[dict[str, Any]] = []
         self.rollout_rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        self.touched: set[Partition] = set()  # partitions this batch added calls to (each may hold a part open)
         self.bytes = 0
         self.buffered = 0
         self.empty = True

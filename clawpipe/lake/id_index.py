@@ -6,18 +6,19 @@ same manifest entry (it is listed among the batch's parts, so a rolled-back batc
 views never read it (their globs match ``*.parquet`` only).
 
 A landing run checks the calls it is about to write against the sidecars, a batch of hashes at a time
-(``searchsorted`` over each sidecar, memory-mapped on a local lake): the cost per call depends on the
-number of parts, not on how many calls were landed before, and nothing proportional to the partition is
-loaded. A hash hit is confirmed against the call ids of that part alone (a 64-bit collision must not
-drop a call), so only true duplicates cost a read of their part. A part without a sidecar (landed before
-sidecars existed, or written by compaction) gets one built from its ``call_id`` column the first time
-its partition is landed into.
+(``searchsorted`` over each sidecar; a large one memory-mapped on a local lake, a small one read): the cost
+per call depends on the number of parts, not on how many calls were landed before, and nothing
+proportional to a large part is loaded. A hash hit is confirmed against the call ids of that part alone
+(a 64-bit collision must not drop a call), so only true duplicates cost a read of their part. A part
+without a sidecar (landed before sidecars existed, or written by compaction) gets one built from its
+``call_id`` column the first time its partition is landed into.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Iterable
 
 import numpy as np
@@ -27,6 +28,7 @@ from clawpipe.tables import LakeFS
 log = logging.getLogger(__name__)
 
 SUFFIX = ".ids"
+IN_MEMORY = 1 << 16  # sidecars up to this size (8,192 calls) are read whole; larger ones mapped while searched
 _PARQUET = ".parquet"
 _DTYPE = np.dtype("<u8")
 
@@ -48,11 +50,16 @@ def encode(hashes: np.ndarray) -> bytes:
 
 
 class PartitionIndex:
-    """The sidecars of one partition's committed parts, opened once per landing run."""
+    """The sidecars of one partition's committed parts, looked up once per landing run.
+
+    A partition that was landed into many times without a compaction holds thousands of parts: small
+    sidecars are read whole, larger ones are memory-mapped while they are searched and unmapped after (a
+    map holds a descriptor of its own), so no descriptor stays open per part.
+    """
 
     def __init__(self, lake: LakeFS, rel: str) -> None:
         self.lake, self.rel = lake, rel
-        self.parts: list[tuple[str, np.ndarray]] = []  # (part, sorted hashes)
+        self.parts: list[tuple[str, str, np.ndarray | None]] = []  # (part, sidecar, its hashes unless mapped)
         self._confirmed: dict[str, set[str]] = {}  # call ids of parts a hash hit was confirmed in
         files = lake.list_files(rel, recursive=False)
         have = {f for f in files if f.endswith(SUFFIX)}
@@ -60,23 +67,27 @@ class PartitionIndex:
             side = sidecar(part)
             if side not in have:
                 self._build(part, side)
-            arr = self._open(side)
-            if arr.size:
-                self.parts.append((part, arr))
+            size = os.path.getsize(lake.full(side)) if lake.is_local else -1
+            if size == 0:
+                continue  # a part without calls
+            arr = self._read(side) if size <= IN_MEMORY else None
+            if arr is None or arr.size:
+                self.parts.append((part, side, arr))
 
     def _build(self, part: str, side: str) -> None:
         ids = self.lake.read_parquet(part, columns=["call_id"]).column("call_id").to_pylist()
         self.lake.write_bytes(side, encode(hash_ids(c for c in ids if c is not None)))
         log.info("built the call-id sidecar of %s (%d rows)", part, len(ids))
 
-    def _open(self, side: str) -> np.ndarray:
-        if self.lake.is_local:
-            path = self.lake.full(side)
-            try:
-                return np.memmap(path, dtype=_DTYPE, mode="r")
-            except ValueError:  # an empty file cannot be mapped: a part without calls
-                return np.empty(0, dtype=_DTYPE)
+    def _read(self, side: str) -> np.ndarray:
         return np.frombuffer(self.lake.read_bytes(side), dtype=_DTYPE)
+
+    def _mapped(self, side: str) -> np.ndarray:
+        """A large sidecar's hashes, memory-mapped (unmapped with its last reference)."""
+        try:
+            return np.memmap(self.lake.full(side), dtype=_DTYPE, mode="r")
+        except ValueError:  # an empty file cannot be mapped: a part without calls
+            return np.empty(0, dtype=_DTYPE)
 
     def __bool__(self) -> bool:
         return bool(self.parts)
@@ -88,7 +99,10 @@ class PartitionIndex:
             return out
         order = np.argsort(hashes, kind="stable")
         sorted_h = hashes[order]
-        for part, arr in self.parts:
+        for part, side, held in self.parts:
+            arr = self._mapped(side) if held is None else held
+            if not arr.size:
+                continue
             pos = np.searchsorted(arr, sorted_h)
             pos[pos == arr.size] = 0
             hit = arr[pos] == sorted_h

@@ -37,6 +37,10 @@ from clawpipe.tables import LakeFS
 
 log = logging.getLogger(__name__)
 
+# Partitions one batch writes at most: each holds an open part file until the batch commits, so a landing of
+# thousands of iterations or runs commits every OPEN_PARTS partitions instead of holding a descriptor per one.
+OPEN_PARTS = 32
+
 
 @dataclass
 class LandingReport:
@@ -71,6 +75,7 @@ def _add_call(batch: Batch, header: capture.CaptureHeader, request: bytes, respo
     call_id = header.call_id
     if call_id in part.seen:
         return 0
+    batch.touched.add(part)
     values = records.call_values(header, request, response, seg, off)
     part.columns.add(call_id, values.call, values.choices)
     report = batch.report
@@ -194,7 +199,7 @@ class _Lander:
                 batch.buffered += n
                 if batch.buffered >= self.row_group_bytes:
                     batch.flush_rows()
-                if batch.bytes >= self.batch_bytes:
+                if batch.bytes >= self.batch_bytes or len(batch.touched) >= OPEN_PARTS:
                     batch.advance_segment(seg.key, start, pos)
                     self.commit()
                     batch, start = self.batch, pos
