@@ -29,6 +29,7 @@ finished rollout shard's calls are in the store before the shard reports done.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -313,9 +314,10 @@ class SegmentWriter:
         assert self._post is not None
         self._post(_fire, (callbacks, error))
 
-    def _write(self, data: bytes) -> CaptureError | None:
+    def _write(self, data: bytes, *, again: bool = False) -> CaptureError | None:
         """Append ``data`` to the open segment (opening one when there is none) and sync it; on failure cut
-        what was written of it again and return the error."""
+        what was written of it again and return the error. A segment at the largest file the process may
+        write (RLIMIT_FSIZE) is sealed and the write goes to a fresh one."""
         try:
             if self._fd < 0:
                 self._open_segment()
@@ -327,6 +329,9 @@ class SegmentWriter:
         except OSError as exc:
             log.error("capture write failed segment=%s error=%s", self.current_segment, exc)
             self._cut_back()
+            if exc.errno == errno.EFBIG and self._size and not again:
+                self._rotate()
+                return self._write(data, again=True)
             why = capture.write_failure(exc, self.directory)
             return CaptureError(f"the call's record could not be written to {self.directory}: {why}")
         self._size += len(data)

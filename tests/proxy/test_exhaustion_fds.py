@@ -1,5 +1,5 @@
 """The capture proxy out of file descriptors: a real ``clawpipe proxy`` process under a low RLIMIT_NOFILE, more
-client connections than it may hold, calls in flight.
+client connections than it may hold, calls in flight (and under a low RLIMIT_FSIZE: segments stop growing).
 
 Accept errors neither spin its event loop nor stop its server; a call that needs an upstream connection the
 proxy cannot open is a 503 naming the limit (the upstream is not marked down for the proxy's own shortage);
@@ -31,10 +31,12 @@ FD_LIMIT = 96
 IN_FLIGHT = 4
 
 
-def start_proxy(upstream: str, capture_dir: Path, ready: Path) -> subprocess.Popen[bytes]:
+def start_proxy(
+    upstream: str, capture_dir: Path, ready: Path, limit: str = "RLIMIT_NOFILE", value: int = FD_LIMIT
+) -> subprocess.Popen[bytes]:
     code = (
         "import resource, sys\n"
-        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, {FD_LIMIT}))\n"
+        f"resource.setrlimit(resource.{limit}, ({value}, {value}))\n"
         "from clawpipe.proxy.run import run_proxy\n"
         f"run_proxy(upstreams=[{upstream!r}], capture_dir={str(capture_dir)!r}, secret={SECRET!r}, "
         f"admin_token={ADMIN!r}, port=0, ready_file={str(ready)!r})\n"
@@ -136,3 +138,29 @@ def test_a_proxy_out_of_descriptors_refuses_clearly_keeps_serving_and_captures_c
         (200, IN_FLIGHT + 1, IN_FLIGHT + 1),
         (503, 1, 1),
     ]
+
+
+@pytest.mark.slow
+def test_segments_at_the_file_size_limit_are_sealed_and_capture_goes_on_in_fresh_ones(tmp_path: Path) -> None:
+    """Under RLIMIT_FSIZE smaller than a segment's size limit, a segment that cannot grow is sealed and the
+    record goes to a fresh segment: no call is refused for it."""
+    up = ScriptedUpstream(default=say("word " * 40)).start()
+    cap = tmp_path / "cap"
+    limit = 48 << 10
+    proc = start_proxy(up.url, cap, tmp_path / "ready", "RLIMIT_FSIZE", limit)
+    url = (tmp_path / "ready").read_text().strip()
+    try:
+        with httpx.Client(timeout=30) as client:
+            for i in range(20):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]}
+                r = client.post(f"{url}/r/{key_for('rfsize')}/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        up.stop()
+    segments = sorted(cap.glob("*.seg"))
+    assert len(segments) >= 3 and all(p.stat().st_size <= limit for p in segments)
+    lake = tmp_path / "lake"
+    report = land(cap, lake)
+    assert (report.calls, report.rejects) == (20, 0)
