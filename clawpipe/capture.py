@@ -476,6 +476,8 @@ def write_failure(exc: OSError, path: str | os.PathLike[str]) -> str:
             st = os.statvfs(path)
             free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
             what += f": {free} of {total} bytes free on the filesystem of {path}"
+            if st.f_files and not st.f_favail:
+                what += f", and none of its {st.f_files} inodes (it can hold no more files)"
         except OSError:
             what += f" on the filesystem of {path}"
         what += "; free space there"

@@ -236,13 +236,14 @@ class Batch:
                 with contextlib.suppress(Exception):  # a writer whose disk filled may fail to close as well
                     p.writer.close()
                 p.writer, p.part, p.part_hashes = None, None, []
-        folders = {posixpath.dirname(part) for part in self.parts}
         for part in self.parts:
             self.lake.delete(part)
             self.lake.delete(part + TMP_SUFFIX)
-        for folder in folders:
-            manifest.sweep_temporary(self.lake, folder, prefix=f"part-{self.id}")
-        manifest.sweep_temporary(self.lake, manifest.DIR)
+        # temporary files of this run's writes: its parts' and sidecars' (also a sidecar built for a part
+        # landed before), and manifest records'; only lock holders write there
+        folders = {posixpath.dirname(part) for part in self.parts} | {p.rel for p in self.partitions.values()}
+        for folder in (*sorted(folders), manifest.DIR):
+            manifest.sweep_temporary(self.lake, folder)
         self.lake.delete(f"{manifest.DIR}/pending-{self.id}.json")
 
     def _publish(self, report: Any) -> None:

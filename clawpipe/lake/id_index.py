@@ -19,10 +19,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import posixpath
 from collections.abc import Iterable
 
 import numpy as np
 
+from clawpipe.lake import manifest
 from clawpipe.tables import LakeFS
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,11 @@ class PartitionIndex:
 
     def _build(self, part: str, side: str) -> None:
         ids = self.lake.read_parquet(part, columns=["call_id"]).column("call_id").to_pylist()
-        self.lake.write_bytes(side, encode(hash_ids(c for c in ids if c is not None)))
+        try:
+            self.lake.write_bytes(side, encode(hash_ids(c for c in ids if c is not None)))
+        except OSError:  # a full disk: no half-written sidecar stays (the caller holds the lake's lock)
+            manifest.sweep_temporary(self.lake, self.rel, prefix=posixpath.basename(side))
+            raise
         log.info("built the call-id sidecar of %s (%d rows)", part, len(ids))
 
     def _read(self, side: str) -> np.ndarray:

@@ -148,7 +148,11 @@ class SegmentWriter:
         ]
         self._n = max(existing, default=-1) + 1
         self._post = post
-        self._open_segment()
+        try:
+            self._open_segment()
+        except OSError as exc:  # a proxy that cannot write its first record does not start
+            why = capture.write_failure(exc, self.directory)
+            raise CaptureError(f"cannot open a capture segment in {self.directory}: {why}") from exc
         self._thread = threading.Thread(target=self._run, name=f"capture-{self.instance}", daemon=True)
         self._thread.start()
         if self.upload_url:

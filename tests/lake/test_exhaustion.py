@@ -148,6 +148,15 @@ def test_a_compaction_that_fills_the_disk_leaves_the_partition_as_it_was(tmp_pat
         report = compact(lake)
         assert report.files_after < report.files_before
         assert_exactly_once(lake, n)
+        # compacted parts have no call-id sidecar: the next landing into them builds one, on a full disk too
+        fx.write_segment(cap / "proxy-late.seg", [fx.record(call_id=f"late{i}", seq=i) for i in range(5)])
+        filler = fill(disk, 0)
+        with pytest.raises(LakeError, match="No space left on device"):
+            land(cap, lake)
+        assert leftovers(lake) == []
+        filler.unlink()
+        land(cap, lake)
+        assert_exactly_once(lake, n + 5)
 
 
 def test_a_result_line_cut_by_a_full_disk_is_removed_and_the_next_one_lands(tmp_path: Path) -> None:

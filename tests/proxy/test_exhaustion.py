@@ -156,3 +156,41 @@ def test_a_record_that_cannot_be_written_is_507_with_the_connection_kept(
             assert sorted(_contents(proxy.records())) == ["first", "third"]
     finally:
         up.stop()
+
+
+def test_out_of_inodes_a_segment_that_cannot_rotate_keeps_taking_records(tmp_path: Path, make_proxy) -> None:
+    """No new segment can be made (the filesystem holds no more files): the open one goes on past its size
+    limit instead of every later call failing."""
+    up = ScriptedUpstream(default=say("ok")).start()
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=2", "tmpfs", str(cap)], check=True)
+    try:
+        proxy = make_proxy([up.url], capture_dir=cap, segment_max_bytes=2048)  # rotation due after each call
+        base = proxy.openai_base("rinodes")
+        with httpx.Client(timeout=30) as client:
+            assert [call(client, base, f"call {i}", stream=i % 2 == 1)[0] for i in range(6)] == [200] * 6
+        assert sorted(_contents(proxy.records())) == sorted(f"call {i}" for i in range(6))
+        assert health(proxy)["status"] == "ok"
+        proxy.server.stop(drain_timeout_s=5)
+    finally:
+        subprocess.run(["umount", "-l", str(cap)], check=False)
+        up.stop()
+
+
+def test_a_proxy_whose_capture_dir_holds_no_more_files_does_not_start_and_says_why(tmp_path: Path) -> None:
+    from clawpipe.errors import CaptureError
+    from clawpipe.proxy import ProxyServer
+    from tests.proxy.conftest import SECRET
+
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=1", "tmpfs", str(cap)], check=True)
+    try:
+        proxy = ProxyServer(upstreams=["http://127.0.0.1:9"], capture_dir=cap, secret=SECRET, admin_token=ADMIN)
+        with pytest.raises(CaptureError) as info:
+            proxy.start()
+        msg = str(info.value)
+        assert f"cannot open a capture segment in {cap}" in msg and "no more files" in msg, msg
+    finally:
+        subprocess.run(["umount", "-l", str(cap)], check=False)
