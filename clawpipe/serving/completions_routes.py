@@ -29,7 +29,10 @@ class CompletionsRoutes(Routes):
     async def completions(self, body: dict[str, Any]) -> Response:
         model = self.model_name(body)
         _check_unsupported(body)
-        prompts = await asyncio.to_thread(self._completion_prompts, body.get("prompt"))  # see Routes.render
+        special = body.get("add_special_tokens", True)  # vLLM's field; as vLLM, a BOS the tokenizer adds is kept
+        if not isinstance(special, bool):
+            raise RequestError("'add_special_tokens' must be true or false", param="add_special_tokens")
+        prompts = await asyncio.to_thread(self._completion_prompts, body.get("prompt"), special)  # see Routes.render
         n = convert.int_field(body, "n")
         logprobs = body.get("logprobs")  # legacy: the number of top alternatives (0-5); false/null: none
         if logprobs is not None and not isinstance(logprobs, bool | int):
@@ -110,22 +113,24 @@ class CompletionsRoutes(Routes):
             "text_offset": [],
         }
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        """The request's prompts as token ids: a string, a list of ids, or a list of either."""
+    def _completion_prompts(self, prompt: Any, special: bool = True) -> list[list[int]]:
+        """The request's prompts as token ids: a string, a list of ids, or a list of either. special: strings are
+        encoded with the special tokens the tokenizer adds around a text (a BOS for Llama-style tokenizers), as
+        vLLM encodes completions prompts by default; a model trained with a BOS at the start expects it."""
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
-            return [self._one_prompt(prompt, "prompt")]
+            return [self._one_prompt(prompt, "prompt", special)]
         if not isinstance(prompt, list) or not prompt:
             raise RequestError("'prompt' must be a string, a list of token ids, or a non-empty list of either")
         if len(prompt) > MAX_PROMPTS:
             raise RequestError(f"'prompt' has {len(prompt)} prompts; send at most {MAX_PROMPTS} per request")
-        return [self._one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [self._one_prompt(p, f"prompt[{i}]", special) for i, p in enumerate(prompt)]
 
-    def _one_prompt(self, prompt: Any, where: str) -> list[int]:
+    def _one_prompt(self, prompt: Any, where: str, special: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError(f"'{where}' is empty")
             self.check_text(len(prompt))
-            return list(self.engine.tokenizer.encode(prompt, add_special_tokens=False))
+            return list(self.engine.tokenizer.encode(prompt, add_special_tokens=special))
         if isinstance(prompt, list) and prompt and _is_ids(prompt):
             return list(prompt)
         raise RequestError(f"'{where}' must be a non-empty string or a non-empty list of token ids")

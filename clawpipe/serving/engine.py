@@ -88,6 +88,9 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.tokenizer = policy.load_tokenizer(model_dir)
         self.model = policy.load_model(model_dir, device, dtype)
+        policy.check_tokenizer_fits(self.tokenizer, self.model.config.vocab_size, model_dir)
+        if self.tokenizer.chat_template is None:
+            log.warning("%s has no chat template: chat requests get a 400, /v1/completions works", model_dir)
         self.device = next(self.model.parameters()).device
         self.dtype = dtype
         self.max_batch = max(1, max_batch)
@@ -188,6 +191,7 @@ class Engine:
                 f"the checkpoint in {path} has vocab_size {model.config.vocab_size}, the served policy "
                 f"{self.model.config.vocab_size}: reload needs the same tokenizer; restart the server for a new one"
             )
+        await asyncio.to_thread(self._warn_other_tokenizer, Path(path))
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()
         version = self.policy_version + 1 if policy_version is None else int(policy_version)
@@ -199,6 +203,20 @@ class Engine:
         new_version = await fut
         self.model_dir = Path(path)
         return new_version
+
+    def _warn_other_tokenizer(self, path: Path) -> None:
+        """Log when a checkpoint carries a tokenizer other than the served one: the engine keeps its tokenizer
+        across a reload, so weights trained on other ids would be served prompts they were never trained on.
+        Logged, not refused: a policy rebuilt from scratch under another seed is published the same way."""
+        if not (path / "tokenizer.json").is_file():
+            return
+        theirs = policy.load_tokenizer(path)
+        if theirs.get_vocab() != self.tokenizer.get_vocab():
+            log.warning(
+                "the tokenizer in %s differs from the served one (%d vs %d ids, or other pieces); the engine keeps "
+                "the served tokenizer: restart the server to serve the checkpoint with its own",
+                path, len(theirs), len(self.tokenizer),
+            )  # fmt: skip
 
     def close(self) -> None:
         """Stop the worker thread (running requests get an error)."""

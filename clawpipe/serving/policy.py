@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
 from clawpipe.errors import ServingError
+from clawpipe.serving.folder import check_model_folder
 from clawpipe.serving.sampler import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
@@ -302,6 +303,20 @@ def load_tokenizer(dir: str | Path) -> PreTrainedTokenizerFast:
         raise ServingError(f"cannot load a tokenizer from {dir}: {exc}") from exc
 
 
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerFast, vocab_size: int, dir: str | Path) -> None:
+    """Refuse a tokenizer with ids the model has no embedding row for (more ids than config.json's vocab_size):
+    a prompt holding one would be refused at every request, or index past the embedding. A model with more rows
+    than the tokenizer has ids (padding rows, as many published models have) is fine."""
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise ServingError(
+            f"the tokenizer in {dir} has {size} ids but the model embeds only vocab_size {vocab_size} (id "
+            f"{vocab_size}, {tokenizer.convert_ids_to_tokens(vocab_size)!r}, has no row): not served; resize "
+            "the model's embeddings to the tokenizer (model.resize_token_embeddings) or use the tokenizer it was "
+            "trained with"
+        )
+
+
 def default_device() -> torch.device:
     """CUDA where present, else CPU (with torch threads from settings, 1 by default)."""
     if torch.cuda.is_available():
@@ -323,15 +338,25 @@ def load_model(
         from clawpipe.config import get_settings
 
         torch.set_num_threads(get_settings().torch_threads)
+    dtype = dtype or default_dtype(dev)
+    if Path(dir).is_dir():  # a folder is checked against its config before any weight is allocated
+        check_model_folder(dir, dtype, dev)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(dir), dtype=dtype or default_dtype(dev), attn_implementation="sdpa"
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            str(dir), dtype=dtype, attn_implementation="sdpa", output_loading_info=True
         )
     except Exception as exc:  # OSError, ValueError, safetensors' own error for a truncated or corrupt file, ...
         raise ServingError(
             f"cannot load a causal LM from {dir}: {type(exc).__name__}: {exc}; check that the checkpoint was "
             "completely written (config.json and model.safetensors)"
         ) from exc
+    model, info = loaded
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers filled them with random values: serving them would sample noise
+        raise ServingError(
+            f"the weights in {dir} lack {len(missing)} tensors the model needs ({', '.join(missing[:3])}); not "
+            "loaded: the folder is incomplete or its weights belong to another model"
+        )
     # a diverged training step publishes NaN weights: served, every logprob would be NaN (invalid JSON, 500s)
     bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
     if bad is not None:

@@ -242,6 +242,12 @@ class Routes:
         template_tools: Any = tools or None
         rollout = REQUEST_ROLLOUT.get() if self.options.splice else None
         tok = self.engine.tokenizer
+        if tok.chat_template is None:  # transformers would raise; say where a template goes instead
+            raise RequestError(
+                f"the served model ({self.engine.model_dir}) has no chat template, so chat messages cannot be "
+                "rendered: add chat_template.jinja (or chat_template in tokenizer_config.json) to the model folder, "
+                "or send raw prompts to /v1/completions"
+            )
         try:
             found = self.turns.find(rollout, messages) if rollout else {}
             if found or ending == "continue":
