@@ -22,8 +22,9 @@ Why not flex attention with a block mask: with torch 2.13 its backward raises No
 
 Used through transformers' attention registry: the model's config switches to ``clawpipe_tree`` for the
 packed forward (and its backward, where activation checkpointing recomputes layers), and the decoder
-receives ``attention_mask={"full_attention": TreeAttention}`` (a dict is passed to the layers unchanged,
-skipping transformers' own mask building).
+receives the plan as the keyword ``PLAN_KWARG``, which every transformers decoder passes on to its attention
+function untouched. (A mask dict ``{"full_attention": plan}`` reaches the layers only in decoders that take one,
+such as Qwen2's; Llama's builds its own mask from it, which is None for a kernel without a mask function.)
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from clawpipe.errors import TrainingError
+
 NAME = "clawpipe_tree"
+PLAN_KWARG = "clawpipe_tree_plan"  # the keyword the packed forward hands its TreeAttention to the kernel with
 
 
 @dataclass
@@ -133,12 +137,17 @@ def tree_attention_forward(
     query: torch.Tensor,  # (1, H, N, D)
     key: torch.Tensor,  # (1, H_kv, N, D)
     value: torch.Tensor,  # (1, H_kv, N, D)
-    attention_mask: TreeAttention,
+    attention_mask: TreeAttention | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    plan = attention_mask
+    plan = kwargs.get(PLAN_KWARG, attention_mask)
+    if not isinstance(plan, TreeAttention):  # a decoder that drops keywords: fail loudly, never attend wrongly
+        raise TrainingError(
+            f"the tree attention kernel got no plan (a {type(plan).__name__}): this model's decoder does not pass "
+            f"'{PLAN_KWARG}' on to attention; train it with attention = 'dense'"
+        )
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for seg in plan.segments:

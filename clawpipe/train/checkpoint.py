@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from clawpipe.errors import TrainingError
+from clawpipe.train.folder import check_after_load, check_before_load
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,14 @@ def load_policy(policy_dir: str | os.PathLike[str], *, attn_implementation: str 
             f"policy directory {path} has no config.json: pass a directory written by save_pretrained "
             "(e.g. `clawpipe model init` or a previous `clawpipe train` checkpoint)"
         )
+    check_before_load(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
+        )
     except Exception as exc:  # transformers raises many types for broken checkpoints
         raise TrainingError(f"policy directory {path} does not load as a causal LM: {exc}") from exc
+    model, info = loaded
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         try:
@@ -74,6 +79,7 @@ def load_policy(policy_dir: str | os.PathLike[str], *, attn_implementation: str 
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         except Exception as exc:
             raise TrainingError(f"tokenizer in {path} does not load: {exc}") from exc
+    check_after_load(path, model, info, tokenizer)
     opt_state = None
     if (path / OPTIMIZER_FILE).is_file():
         opt_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)

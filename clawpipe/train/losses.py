@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from clawpipe.train.attention import tree_attention
+from clawpipe.train.attention import PLAN_KWARG, tree_attention
 from clawpipe.train.config import TrainConfig
 from clawpipe.train.packing import MicroBatch
 
@@ -69,7 +69,10 @@ def score(
     if mb.tree is not None:
         with tree_attention(model):
             masks = {"full_attention": mb.tree, "sliding_attention": mb.tree}
-            out = decoder(input_ids=mb.input_ids, attention_mask=masks, position_ids=mb.position_ids, use_cache=False)
+            plan = {PLAN_KWARG: mb.tree}  # reaches the kernel in every decoder, whatever it does with the masks
+            out = decoder(
+                input_ids=mb.input_ids, attention_mask=masks, position_ids=mb.position_ids, use_cache=False, **plan
+            )
     else:
         out = decoder(
             input_ids=mb.input_ids,
