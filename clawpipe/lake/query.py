@@ -192,6 +192,17 @@ def _timed_out(limits: QueryLimits) -> LakeError:
     )
 
 
+_NO_SPACE = "No space left on device"
+
+
+def _no_space(exc: duckdb.IOException, limits: QueryLimits, spill_dir: str | None) -> str:
+    where = f"the temporary folder {Path(spill_dir).parent} (TMPDIR)" if spill_dir else "a disk the query wrote to"
+    return (
+        f"{str(exc).strip()}: {where} has no room for the query's spilled data; free space there, point TMPDIR "
+        f"at a larger disk, or lower the spill cap (now {limits.spill_mb} MB: --spill-mb N, or spill_mb=N)"
+    )
+
+
 def _out_of_memory(exc: duckdb.OutOfMemoryException, limits: QueryLimits, spilled: bool) -> LakeError:
     first = str(exc).splitlines()[0].rstrip(".")
     if "max_temp_directory_size" in str(exc) and spilled:
@@ -287,6 +298,8 @@ def _run_with_retries(
             if watchdog is not None and watchdog.fired:  # whatever the interrupt surfaced as, the time ran out
                 raise _timed_out(limits) from exc
             if isinstance(exc, duckdb.IOException):
+                if _NO_SPACE in str(exc):  # a full disk is no compaction race: trying again only spills again
+                    raise LakeError(_no_space(exc, limits, spill_dir)) from exc
                 if attempt == _RETRIES:
                     raise LakeError(str(exc).strip()) from exc
                 time.sleep(0.05 * (attempt + 1))

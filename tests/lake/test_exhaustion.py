@@ -171,3 +171,25 @@ def test_a_result_line_cut_by_a_full_disk_is_removed_and_the_next_one_lands(tmp_
         capture.append_result(path, fx.rollout_row("r2"))
         rows = [row["rollout_id"] for _, row, bad in capture.read_results(path) if bad is None and row]
         assert rows == ["r0", "r2"]
+
+
+def test_a_query_whose_spill_fills_the_temporary_folder_says_so_and_runs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clawpipe.lake import query
+
+    cap, lake = tmp_path / "cap", tmp_path / "lake"
+    fx.write_segment(cap / "proxy-a.seg", [fx.record(call_id=f"c{i}", seq=i) for i in range(300)])
+    land(cap, lake)
+    runs: list[int] = []
+    connect = query._connect_pinned
+    monkeypatch.setattr(query, "_connect_pinned", lambda *a: runs.append(1) or connect(*a))  # count the tries
+    with small_disk(tmp_path / "tmp", 2048) as tmp:
+        monkeypatch.setattr(query.tempfile, "tempdir", str(tmp))
+        big_sort = "select a.response || b.response as r from model_calls a, model_calls b order by r"
+        with pytest.raises(LakeError) as info:
+            run_sql(lake, big_sort, memory_mb=20, spill_mb=100, threads=1)
+        msg = str(info.value)
+        assert "No space left on device" in msg and f"temporary folder {tmp} (TMPDIR)" in msg, msg
+        assert "--spill-mb" in msg and runs == [1]
+        assert list(tmp.iterdir()) == []  # the query's spill folder is gone
