@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import resource
 import signal
 import struct
 import sys
 
 import msgspec
 
+from clawpipe import capture
 from clawpipe.proxy.body import CallBody, read_call_body
 from clawpipe.proxy.wire import BadRequest
 
@@ -45,6 +48,7 @@ _NONE = 0xFFFFFFFF  # a length meaning "no value"
 _ASK = struct.Struct("<IIQ")  # api length, content-encoding length, body length
 _OK = struct.Struct("<BIIQ")  # stream, model length, request_changes length, forwarded length
 _BAD = struct.Struct("<HI")  # status, message length
+_NO_RESOURCES = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN))  # a worker cannot start
 _KIND_OK, _KIND_BAD = b"o", b"b"
 
 
@@ -114,6 +118,8 @@ class BodyChecker:
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 self._kill()
                 log.warning("body checker worker lost while checking a %d-byte body: %r", len(body), exc)
+                if isinstance(exc, WorkerNotStarted):
+                    raise BadRequest(503, f"{exc}; send it again") from exc
                 raise BadRequest(
                     503, "the proxy's body checker stopped while reading this request; send it again"
                 ) from exc
@@ -146,14 +152,17 @@ class BodyChecker:
         proc = self._proc
         if proc is not None and proc.returncode is None:
             return proc
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",  # not `-m`: the package imports this module first, and runpy warns on every start
-            "from clawpipe.proxy.checker import worker_main; worker_main()",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            limit=1 << 16,
-        )
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",  # not `-m`: the package imports this module first, and runpy warns on every start
+                "from clawpipe.proxy.checker import worker_main; worker_main()",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                limit=1 << 16,
+            )
+        except OSError as exc:
+            raise WorkerNotStarted(f"the proxy could not start its body checker: {_start_failure(exc)}") from exc
         return self._proc
 
     def _kill(self) -> None:
@@ -189,6 +198,25 @@ class BodyChecker:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+
+
+class WorkerNotStarted(OSError):
+    """The body checker's worker process could not be started (no descriptor or process left, say)."""
+
+
+def _start_failure(exc: OSError) -> str:
+    """Why a worker did not start, for a person: the error, and the descriptors the proxy holds when that is
+    near its limit (uvloop reports a spawn that ran out of descriptors without the errno)."""
+    if exc.errno in _NO_RESOURCES:
+        return capture.write_failure(exc, ".")
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return str(exc)
+    if soft != resource.RLIM_INFINITY and held >= soft - 8:
+        return f"{exc}: the proxy holds {held} of its {soft} file descriptors (RLIMIT_NOFILE); raise ulimit -n"
+    return str(exc)
 
 
 def _read_exactly(stream: object, n: int) -> bytes:

@@ -41,7 +41,8 @@ def start_proxy(
         f"run_proxy(upstreams=[{upstream!r}], capture_dir={str(capture_dir)!r}, secret={SECRET!r}, "
         f"admin_token={ADMIN!r}, port=0, ready_file={str(ready)!r})\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE)
+    with open(ready.with_suffix(".log"), "wb") as log:  # its log, read when a check fails
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=log)
     deadline = time.monotonic() + 30
     while not ready.is_file():
         assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
@@ -107,6 +108,16 @@ def test_a_proxy_out_of_descriptors_refuses_clearly_keeps_serving_and_captures_c
         answer = read_all(idle[0]).decode(errors="replace")
         assert answer.startswith("HTTP/1.1 503"), answer[:200]
         assert "Too many open files" in answer and f"{FD_LIMIT} open files (RLIMIT_NOFILE)" in answer
+        # a body large enough to be read by the body checker's worker, which cannot be started: a clear 503 too
+        big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}).encode()
+        head = raw_call(port, "")
+        idle[1].sendall(
+            head.split(b"content-length: ")[0] + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(big)
+        )
+        idle[1].sendall(big)
+        answer = read_all(idle[1]).decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 503") and "could not start its body checker" in answer, answer[:300]
+        assert "(RLIMIT_NOFILE)" in answer
 
         for t in threads:
             t.join(30)
@@ -136,7 +147,7 @@ def test_a_proxy_out_of_descriptors_refuses_clearly_keeps_serving_and_captures_c
     rows = run_sql(lake, "select http_status, count(*) as n, count(distinct call_id) as d from model_calls group by 1")
     assert sorted((r["http_status"], r["n"], r["d"]) for r in rows.to_pylist()) == [
         (200, IN_FLIGHT + 1, IN_FLIGHT + 1),
-        (503, 1, 1),
+        (503, 2, 2),
     ]
 
 
