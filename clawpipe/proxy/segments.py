@@ -296,51 +296,83 @@ class SegmentWriter:
                 log.error("sealing segment=%s failed error=%s", path.name, exc)
 
     def _commit(self, batch: list[tuple[capture.CaptureHeader, bytes, bytes, Done]]) -> None:
-        error: BaseException | None = None
+        callbacks = [cb for _, _, _, cb in batch]
+        assert self._post is not None
         try:
             frames = [capture.encode_record(h, req, resp) for h, req, resp, _ in batch]
         except (ValueError, TypeError) as exc:
             log.error("capture records could not be framed error=%s", exc)
             error = CaptureError(f"the call's record could not be framed: {exc}")
-        else:
-            error = self._write(b"".join(frames))
-        if error is None:
-            self.records += len(batch)
+            self._failed(str(error), len(batch))
+            self._post(_fire, (callbacks, 0, error))
+            return
+        done, failure = self._write(frames)
+        if done:
+            self.records += done
             self.batches += 1
+        if failure is None:
             if self.failure is not None:
                 log.warning(
                     "capture writes succeed again dir=%s (failing since %s)", self.directory, self.failing_since
                 )
             self.failure = self.failing_since = None
         else:
-            self._failed(str(error), len(batch))
-        callbacks = [cb for _, _, _, cb in batch]
-        assert self._post is not None
-        self._post(_fire, (callbacks, error))
+            self._failed(str(failure), len(frames) - done)
+        self._post(_fire, (callbacks, done, failure))
 
-    def _write(self, data: bytes, *, again: bool = False) -> CaptureError | None:
-        """Append ``data`` to the open segment (opening one when there is none) and sync it; on failure cut
-        what was written of it again and return the error. A segment at the largest file the process may
-        write (RLIMIT_FSIZE) is sealed and the write goes to a fresh one."""
+    def _write(self, frames: list[bytes], *, again: bool = False) -> tuple[int, CaptureError | None]:
+        """Append ``frames`` to the open segment (opening one when there is none) and sync them; returns how
+        many of them (from the first) are on disk, and why the others are not.
+
+        A write that stops part-way (a full disk) keeps the frames it wrote whole, synced: a landing may have
+        read them already, so an intact frame never disappears; the partly written one is cut off again. A
+        segment at the largest file the process may write (RLIMIT_FSIZE) is sealed and the rest goes to a
+        fresh one."""
+        data = b"".join(frames)
+        written = 0
         try:
             if self._fd < 0:
                 self._open_segment()
             view = memoryview(data)
             while view:
-                view = view[os.write(self._fd, view) :]
-            if self.fsync:
-                os.fdatasync(self._fd)
+                n = os.write(self._fd, view)
+                written += n
+                view = view[n:]
         except OSError as exc:
-            log.error("capture write failed segment=%s error=%s", self.current_segment, exc)
-            self._cut_back()
-            if exc.errno == errno.EFBIG and self._size and not again:
-                self._rotate()
-                return self._write(data, again=True)
-            why = capture.write_failure(exc, self.directory)
-            return CaptureError(f"the call's record could not be written to {self.directory}: {why}")
+            return self._stopped(frames, written, exc, again)
+        if self.fsync:
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:  # nothing of it is known to be on disk
+                return self._stopped(frames, 0, exc, again)
         self._size += len(data)
         self.bytes_written += len(data)
-        return None
+        return len(frames), None
+
+    def _stopped(self, frames: list[bytes], written: int, exc: OSError, again: bool) -> tuple[int, CaptureError | None]:
+        """After a write of ``frames`` that stopped at ``written`` bytes: keep the frames wholly written (once
+        synced), cut the rest off; the frames kept and why the others failed."""
+        log.error("capture write failed segment=%s error=%s", self.current_segment, exc)
+        done = keep = 0
+        for frame in frames:
+            if keep + len(frame) > written:
+                break
+            keep += len(frame)
+            done += 1
+        if done and self.fsync:
+            try:
+                os.fdatasync(self._fd)
+            except OSError:
+                done = keep = 0
+        self._size += keep
+        self.bytes_written += keep
+        self._cut_back()
+        if exc.errno == errno.EFBIG and self._size and not again:
+            self._rotate()
+            more, failure = self._write(frames[done:], again=True)
+            return done + more, failure
+        why = capture.write_failure(exc, self.directory)
+        return done, CaptureError(f"the call's record could not be written to {self.directory}: {why}")
 
     def _cut_back(self) -> None:
         """Remove a partly written frame from the open segment, so later frames follow intact ones; a segment
@@ -386,7 +418,8 @@ class SegmentWriter:
         self.failure = self.failing_since = None
 
 
-def _fire(arg: tuple[list[Done], BaseException | None]) -> None:
-    callbacks, error = arg
-    for cb in callbacks:
-        cb(error)
+def _fire(arg: tuple[list[Done], int, BaseException | None]) -> None:
+    """Tell each record's caller: the first ``done`` are on disk, the others failed with ``error``."""
+    callbacks, done, error = arg
+    for i, cb in enumerate(callbacks):
+        cb(None if i < done else error)

@@ -204,7 +204,7 @@ def test_a_call_that_could_not_be_recorded_is_507_and_counted_as_a_capture_failu
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(f"{proxy.openai_base('rc')}/chat/completions", json=body).status_code == 200
     # every later write fails (a real full disk: tests/proxy/test_exhaustion.py)
-    proxy.server.writer._write = lambda data: CaptureError("No space left on device")  # type: ignore[method-assign]
+    proxy.server.writer._write = lambda frames: (0, CaptureError("No space left on device"))  # type: ignore[method-assign]
     r = httpx.post(f"{proxy.openai_base('rc')}/chat/completions", json=body)
     assert r.status_code == 507 and "could not record this call" in r.text and "No space left" in r.text
     stats = httpx.get(

@@ -194,3 +194,53 @@ def test_a_proxy_whose_capture_dir_holds_no_more_files_does_not_start_and_says_w
         assert f"cannot open a capture segment in {cap}" in msg and "no more files" in msg, msg
     finally:
         subprocess.run(["umount", "-l", str(cap)], check=False)
+
+
+def test_a_batch_cut_short_by_a_full_disk_keeps_its_whole_frames_so_a_landing_in_between_stays_aligned(
+    tmp_path: Path,
+) -> None:
+    """Three records written as one batch on a disk with room for two and a half: the two written whole are
+    kept (a landing may read them at once) and only the third fails; a landing before and after the space is
+    freed gets every record that was reported written, once, with no damaged region."""
+    import json
+    import threading
+
+    from clawpipe.lake.landing import land as land_captures
+    from clawpipe.proxy.segments import SegmentWriter
+    from tests.lake import fixtures as fx
+
+    with small_disk(tmp_path / "cap", 1024) as cap:
+        writer = SegmentWriter(cap, instance="w", max_age_s=0)
+        writer.start(lambda fn, arg: fn(arg))  # callbacks run on the writer thread
+        outcomes: dict[str, BaseException | None] = {}
+        fired = threading.Event()
+
+        def submit(call_id: str, size: int) -> None:
+            def done(exc: BaseException | None) -> None:
+                outcomes[call_id] = exc
+                if len(outcomes) == 4:
+                    fired.set()
+
+            hdr = capture.decode_header(json.dumps(fx.header(call_id=call_id, rollout_id="rb")).encode())
+            request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * size}]}).encode()
+            writer.submit(hdr, request, fx.response_body("chat", False), done)
+
+        frame = 40 << 10
+        filler = fill(cap, frame * 5 // 2)
+        with writer._cond:  # the three go to the writer thread as one batch
+            for i in range(3):
+                submit(f"b{i}", frame)
+        deadline = time.monotonic() + 10
+        while len(outcomes) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [outcomes[f"b{i}"] is None for i in range(3)] == [True, True, False]
+        lake = tmp_path / "lake"
+        first = land_captures(cap, lake)  # the open segment, while the disk is full
+        filler.unlink()
+        submit("after", 1000)
+        assert fired.wait(10) and outcomes["after"] is None
+        writer.close()
+        second = land_captures(cap, lake)
+        assert (first.calls, second.calls, first.rejects + second.rejects) == (2, 1, 0)
+        ids = run_sql(lake, "select call_id from model_calls order by call_id").to_pylist()
+        assert [r["call_id"] for r in ids] == ["after", "b0", "b1"]
