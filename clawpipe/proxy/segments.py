@@ -10,7 +10,7 @@ Segments are ``<instance>-<n>.open`` while written and renamed to ``.seg`` when 
 or age, and on shutdown; a rotation opens the next segment before it seals the last, so while the writer
 runs one is always open). The writer holds an exclusive ``flock`` on its open segment; on start, every
 ``.open`` segment in the directory whose lock is free belongs to a dead writer: its torn tail (an incomplete
-frame after the last intact one) is cut (:func:`clawpipe.capture.recover_segment`) and it is sealed, so a
+frame after the last intact one) is cut and it is sealed (:mod:`clawpipe.proxy.recovery`), so a
 crash loses nothing that was committed; damaged frames before that stay for landing to report as rejects.
 
 A write that fails (a full disk, no descriptor left) fails the records of its batch only: their callbacks
@@ -41,6 +41,7 @@ from typing import Any
 
 from clawpipe import capture, objstore
 from clawpipe.errors import CaptureError
+from clawpipe.proxy.recovery import fsync_dir, recover_dead_segments
 from clawpipe.proxy.upload import Uploader
 
 log = logging.getLogger(__name__)
@@ -57,37 +58,6 @@ def upload_url_from_env() -> str | None:
     if not lake_uri or not objstore.is_remote(lake_uri) or os.environ.get(UPLOAD_ENV, "1") == "0":
         return None
     return objstore.captures_url(lake_uri)
-
-
-def recover_dead_segments(directory: Path) -> list[Path]:
-    """Seal every ``.open`` segment in ``directory`` that no live writer holds; return the sealed paths."""
-    sealed: list[Path] = []
-    for path in sorted(directory.glob(f"*{capture.OPEN_SUFFIX}")):
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live writer owns it
-            cut = capture.recover_segment(path)
-            if cut:
-                log.warning("cut torn tail segment=%s bytes=%d", path.name, cut)
-            sealed.append(capture.seal_segment(path))
-            _fsync_dir(directory)
-        finally:
-            os.close(fd)
-    return sealed
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SegmentWriter:
@@ -216,7 +186,7 @@ class SegmentWriter:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except OSError:  # no descriptor left for the directory, say: no half-made segment stays behind
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -238,7 +208,7 @@ class SegmentWriter:
                 sealed = path.with_suffix(capture.SEALED_SUFFIX)  # our frames are whole: no recovery scan
                 os.replace(path, sealed)
                 self.sealed.append(sealed.name)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             if self.uploader is not None:
                 self.uploader.wake()
         finally:
