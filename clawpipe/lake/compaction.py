@@ -81,7 +81,7 @@ def _stopped(lake: LakeFS, rel: str, exc: OSError | MemoryError) -> str:
     if isinstance(exc, OSError):
         why = capture.write_failure(exc, lake.root) if lake.is_local else str(exc)
     else:
-        why = f"out of memory ({exc or 'MemoryError'})"
+        why = f"out of memory ({str(exc) or 'MemoryError'})"
     return (
         f"compacting {lake.url}/{rel} stopped: {why}. The partition is unchanged (the merged files were removed); "
         "run the compaction again once that is fixed"

@@ -240,7 +240,8 @@ def _stopped(lake: LakeFS, report: LandingReport, exc: OSError | MemoryError) ->
         if exc.filename:
             why = f"{exc.filename}: {why}"
     else:
-        why = f"out of memory ({exc or 'MemoryError'}); give the landing more memory or a smaller batch_bytes"
+        why = f"out of memory ({str(exc) or 'MemoryError'}); give the landing more memory, or land with a smaller "
+        why += "row_group_bytes (rows are buffered that long)"
     return (
         f"landing into {lake.url} stopped: {why}. The batch under way was rolled back (none of it is visible); "
         f"the {report.batches} batches committed before it stay. Run the landing again once that is fixed: "

@@ -193,3 +193,38 @@ def test_a_query_whose_spill_fills_the_temporary_folder_says_so_and_runs_once(
         assert "No space left on device" in msg and f"temporary folder {tmp} (TMPDIR)" in msg, msg
         assert "--spill-mb" in msg and runs == [1]
         assert list(tmp.iterdir()) == []  # the query's spill folder is gone
+
+
+@pytest.mark.slow
+def test_a_landing_out_of_memory_stops_clearly_and_a_rerun_with_memory_lands_everything_once(tmp_path: Path) -> None:
+    """A landing process under RLIMIT_AS that cannot buffer its row group: a LakeError saying so, nothing of
+    the batch left; the rerun with memory lands every call exactly once."""
+    import json
+    import sys
+
+    cap, lake = tmp_path / "cap", tmp_path / "lake"
+    frames = []
+    for i in range(40):  # 2 MB requests: a row group of 80 MB is buffered before anything is written
+        request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * (2 << 20)}]}).encode()
+        frames.append(
+            capture.encode_record(fx.header(call_id=f"m{i}", seq=i), request, fx.response_body("chat", False))
+        )
+    fx.write_segment(cap / "proxy-a.seg", frames)
+    code = (
+        "import resource, sys\n"
+        "from clawpipe.lake import land\n"
+        "limit = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize() + (60 << 20)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+        "land(sys.argv[1], sys.argv[2], batch_bytes=1 << 30, row_group_bytes=1 << 30)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(cap), str(lake)], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and "LakeError" in proc.stderr, proc.stderr[-2000:]
+    assert "out of memory" in proc.stderr and "row_group_bytes" in proc.stderr and str(lake) in proc.stderr
+    assert leftovers(lake) == [] and not list(lake.rglob("*.parquet"))
+    report = land(cap, lake)
+    assert report.calls == 40
+    got = run_sql(lake, "select count(*) as n, count(distinct call_id) as d from model_calls").to_pylist()
+    assert got == [{"n": 40, "d": 40}]
