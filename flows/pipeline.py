@@ -29,8 +29,11 @@ SETTINGS = prepare_environment()  # offline-safe Prefect/MLflow settings before 
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
 from prefect.cache_policies import INPUTS, TASK_SOURCE  # noqa: E402
+from prefect.client.schemas.objects import State  # noqa: E402
+from prefect.exceptions import TerminationSignal  # noqa: E402
 from prefect.runtime import flow_run, task_run  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
+from prefect.states import Cancelled  # noqa: E402
 
 from clawpipe.pipeline import fanout, report, stages  # noqa: E402
 from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
@@ -39,6 +42,7 @@ from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
 from clawpipe.pipeline.services import publish  # noqa: E402
 from clawpipe.pipeline.state import run_lock  # noqa: E402
 from clawpipe.pipeline.train_worker import close_worker  # noqa: E402
+from flows.cancel import CancelWatch  # noqa: E402
 
 # --- tasks: one library call each, retries declared here and nowhere else -------------------------------
 
@@ -143,7 +147,7 @@ def report_iteration(run_id: str, summary: dict[str, Any], mlflow_run_id: str, e
     """Log the iteration's metrics to MLflow and publish its reward table and summary as artifacts."""
     from clawpipe.tracking import make_tracker
 
-    tracker = make_tracker()
+    tracker = make_tracker(bool(mlflow_run_id))  # no MLflow run when the store was away as the run started
     tracker.start_run(mlflow_run_id=mlflow_run_id)
     tracker.log_metrics(report.iteration_metrics(summary), step=summary["iteration"])
     key = f"{report.slug(run_id)}-it{summary['iteration']}"
@@ -196,12 +200,36 @@ def _pipeline_name() -> str:
 
 
 @flow(name="pipeline", flow_run_name=_pipeline_name, log_prints=False)
-def pipeline(cfg: PipelineConfig | None = None, run_id: str | None = None, resume: bool = False) -> dict[str, Any]:
-    """Iterations of rollout -> land -> reconstruct -> train -> publish, then a summary."""
+def pipeline(
+    cfg: PipelineConfig | None = None, run_id: str | None = None, resume: bool = False
+) -> dict[str, Any] | State:
+    """Iterations of rollout -> land -> reconstruct -> train -> publish, then a summary.
+
+    Cancelled through Prefect (flows/cancel.py) or terminated, it stops its services and sandboxes, ends
+    its MLflow run as KILLED (FAILED on an error) and leaves the run to ``clawpipe run --resume``."""
     logger = get_run_logger()
     settings = get_settings()
     state = stages.open_run(settings, cfg, run_id=run_id, resume=resume, git_revision=_git_revision())
     cfg = PipelineConfig.model_validate(state.config)
+    watch = CancelWatch(flow_run.id)
+    try:
+        with watch:
+            return _iterate(cfg, state, settings, logger)
+    except (TerminationSignal, KeyboardInterrupt):
+        stages.end_tracking(cfg, state, "KILLED")
+        if not watch.requested:
+            raise
+        message = f"cancelled; continue it with `clawpipe run --resume {state.run_id}`"
+        logger.info("run %s %s", state.run_id, message)
+        return Cancelled(message=f"run {state.run_id} {message}")
+    except BaseException:
+        stages.end_tracking(cfg, state, "FAILED")
+        raise
+    finally:
+        close_worker(state.run_id)  # the run's training process, on every way out
+
+
+def _iterate(cfg: PipelineConfig, state: Any, settings: Any, logger: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     # The subflows below run in this flow's process, whose own run heartbeats. Without heartbeats of their
     # own they end at once: Prefect's heartbeat thread sleeps in whole seconds and every sync flow run waits
@@ -257,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         except ClawpipeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        result = pipeline(cfg=cfg, run_id=args.run_id, resume=args.resume)
+        final = pipeline(cfg=cfg, run_id=args.run_id, resume=args.resume, return_state=True)
+        if final.is_cancelled():
+            print(f"error: {final.message}", file=sys.stderr)
+            return 1
+        result: dict[str, Any] = final.result()  # type: ignore[assignment]  # raises what failed the run
         print(result["markdown"])
         if args.summary_out:
             Path(args.summary_out).write_text(json.dumps(result, indent=2, default=str))
