@@ -13,10 +13,11 @@ runs one is always open). The writer holds an exclusive ``flock`` on its open se
 frame after the last intact one) is cut and it is sealed (:mod:`clawpipe.proxy.recovery`), so a
 crash loses nothing that was committed; damaged frames before that stay for landing to report as rejects.
 
-A write that fails (a full disk, no descriptor left) fails the records of its batch only: their callbacks
-get a :class:`~clawpipe.errors.CaptureError` naming the cause, a partly written frame is cut off again (so
-nothing torn sits between intact frames), and the next batch tries again, in a fresh segment when the last
-one could not be repaired or none could be opened. :meth:`SegmentWriter.health` says whether capture is
+A write that fails (a full disk, no descriptor left) fails only the records of its batch that it did not
+write whole: their callbacks get a :class:`~clawpipe.errors.CaptureError` naming the cause, a partly written
+frame is cut off again (so nothing torn sits between intact frames, and no intact frame a landing may have
+read disappears), and the next batch tries again, in a fresh segment when the last one could not be
+repaired, could not grow (RLIMIT_FSIZE) or none could be opened. :meth:`SegmentWriter.health` says whether capture is
 failing; while it is and no record comes, the thread probes the directory once a second (a small file
 written, synced and removed), so health turns good again once space or descriptors are freed.
 
