@@ -209,8 +209,18 @@ def pipeline(
     its MLflow run as KILLED (FAILED on an error) and leaves the run to ``clawpipe run --resume``."""
     logger = get_run_logger()
     settings = get_settings()
-    state = stages.open_run(settings, cfg, run_id=run_id, resume=resume, git_revision=_git_revision())
-    cfg = PipelineConfig.model_validate(state.config)
+    with contextlib.ExitStack() as held:
+        # held by this flow too, not only by `clawpipe run`: a deployment's run (a worker runs this function)
+        # of a run id another process is running is refused, not run a second time
+        if run_id:
+            held.enter_context(run_lock(settings.runs_dir, run_id, reentrant=True))
+        state = stages.open_run(settings, cfg, run_id=run_id, resume=resume, git_revision=_git_revision())
+        held.enter_context(run_lock(settings.runs_dir, state.run_id, reentrant=True))
+        return _drive(PipelineConfig.model_validate(state.config), state, settings, logger)
+
+
+def _drive(cfg: PipelineConfig, state: Any, settings: Any, logger: Any) -> dict[str, Any] | State:
+    """The run's iterations, watched for a cancel; ended in MLflow when stopped early."""
     watch = CancelWatch(flow_run.id)
     try:
         with watch:

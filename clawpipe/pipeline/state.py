@@ -77,13 +77,21 @@ def new_run_id(run_name: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', run_name)}-{stamp}-{secrets.token_hex(3)}"
 
 
+_HELD: set[str] = set()  # run locks this process holds (a second flock of the file here would refuse itself)
+
+
 @contextlib.contextmanager
-def run_lock(runs_dir: Path, run_id: str) -> Iterator[None]:
+def run_lock(runs_dir: Path, run_id: str, *, reentrant: bool = False) -> Iterator[None]:
     """Hold ``run_id``'s lock for the block; a ConfigError at once when another process holds it.
 
     Two processes resuming one run would both run its next iteration (its rollouts twice, two checkpoints
-    of one version), so the second is refused rather than made to wait behind a run of hours."""
+    of one version), so the second is refused rather than made to wait behind a run of hours. With
+    ``reentrant``, a process that holds it already goes on holding it to the outer block's end."""
     path = runs_dir / run_id / "run.lock"
+    key = str(path.resolve())
+    if reentrant and key in _HELD:  # held here already (the flow process's main, then its flow): nested
+        yield
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -97,6 +105,10 @@ def run_lock(runs_dir: Path, run_id: str) -> Iterator[None]:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        _HELD.add(key)
+        try:
+            yield
+        finally:
+            _HELD.discard(key)
     finally:
         os.close(fd)  # releases the lock

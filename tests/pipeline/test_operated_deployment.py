@@ -1,0 +1,171 @@
+"""A deployment as operators drive it from the Prefect UI: runs whose parameters were edited with wrong types
+or unknown keys, a run of a run id that another process is running, and a flow run retried after its
+worker was killed mid-run. A real Prefect server, `clawpipe deploy` and `clawpipe worker` on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clawpipe.net import free_port
+from tests.support.prefect_server import spawn, start_server, wait_until_healthy
+
+pytestmark = [pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = """
+run_name = "operated"
+experiment = "operated"
+iterations = 1
+groups = 1
+samples = 2
+eval_tasks = 0
+backend = "process"
+[[harnesses]]
+name = "chat-loop"
+task_set = "guess"
+"""
+HOLDER = """
+import sys, time
+from pathlib import Path
+from clawpipe.pipeline.state import run_lock
+with run_lock(Path(sys.argv[1]), sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+@dataclass
+class Deployed:
+    api: str
+    env: dict[str, str]
+    home: Path
+    deployment_id: str
+    cfg: dict[str, object]
+    tmp: Path
+
+    def start_worker(self, name: str = "worker") -> subprocess.Popen[bytes]:
+        cli = [sys.executable, "-m", "clawpipe", "worker", "--pool", "clawpipe", "--api-url", self.api]
+        return spawn(cli, self.env, self.tmp / f"{name}.log")
+
+    def create_run(self, parameters: dict[str, object]) -> httpx.Response:
+        body = {"parameters": parameters}
+        return httpx.post(f"{self.api}/deployments/{self.deployment_id}/create_flow_run", json=body, timeout=10)
+
+    def state(self, run_id: str) -> dict[str, object]:
+        return dict(httpx.get(f"{self.api}/flow_runs/{run_id}", timeout=10).json()["state"])
+
+    def wait_final(self, run_id: str, timeout_s: float = 300) -> dict[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = self.state(run_id)
+            if state["type"] in FINAL:
+                return state
+            time.sleep(1)
+        raise AssertionError(f"flow run {run_id} still {self.state(run_id)}")
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
+    tmp = tmp_path_factory.mktemp("deployed")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CLAWPIPE_"))}
+    env.update(
+        {
+            "CLAWPIPE_HOME": str(tmp / "home"),
+            "PREFECT_HOME": str(tmp / "prefect"),
+            "PREFECT_API_URL": api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "true",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    server = start_server(port, env, tmp / "server.log")
+    try:
+        wait_until_healthy(api, server, tmp / "server.log")
+        (tmp / "p.toml").write_text(CONFIG)
+        cli = [sys.executable, "-m", "clawpipe", "deploy", "--config", str(tmp / "p.toml"), "--api-url", api]
+        out = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        deps = httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()
+        (dep,) = [d for d in deps if d["name"] == "clawpipe-pipeline"]
+        yield Deployed(api, env, tmp / "home", dep["id"], dep["parameters"]["cfg"], tmp)
+    finally:
+        _stop(server)
+
+
+def _failed_with(deployed: Deployed, parameters: dict[str, object]) -> str:
+    """The message a deployment run with ``parameters`` is refused or fails with (a worker runs it)."""
+    created = deployed.create_run(parameters)
+    if created.status_code >= 400:  # refused by the server before any worker took it
+        return created.text
+    worker = deployed.start_worker()
+    try:
+        state = deployed.wait_final(created.json()["id"])
+    finally:
+        _stop(worker)
+    assert state["type"] == "FAILED", state
+    return str(state["message"])
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"groups": "4"}, "groups"),
+        ({"iterations": 2.5}, "iterations"),
+        ({"harnesses": "chat-loop"}, "harnesses"),
+        ({"learning_rat": 0.1}, "learning_rat"),
+        ({"train": {"learning_rat": 0.1}}, "learning_rat"),
+    ],
+)
+def test_a_deployment_run_with_edited_parameters_fails_naming_the_parameter(
+    deployed: Deployed, edit: dict[str, object], named: str
+) -> None:
+    message = _failed_with(deployed, {"cfg": {**deployed.cfg, **edit}})
+    assert named in message, message
+    assert "Traceback" not in message and len(message) < 2000, message
+
+
+def test_a_deployment_run_of_a_run_another_process_is_running_fails_at_once(deployed: Deployed) -> None:
+    # before: a deployment run took no run lock (only `clawpipe run` did) and drove the run a second time
+    from clawpipe.pipeline.state import RunState
+
+    run_id = "held-20260101-000000-abcdef"
+    state = RunState(run_id=run_id, config={**deployed.cfg}, policy_dir=str(deployed.home / "models" / "p"))
+    state_file = state.save(deployed.home / "runs")
+    before = state_file.read_bytes()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(deployed.home / "runs"), run_id], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        message = _failed_with(deployed, {"run_id": run_id, "resume": True})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"run {run_id} is already running (process {holder.pid})" in message, message
+    assert state_file.read_bytes() == before
