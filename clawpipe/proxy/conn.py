@@ -326,7 +326,7 @@ class ClientConn(asyncio.Protocol):
         limit = self.proxy.config.max_connections
         msg = (
             f"the proxy is at its limit of {limit} open connections; retry shortly, close idle connections, "
-            "or start the proxy with a larger --max-connections"
+            "or start the proxy with a larger --max-connections (and ulimit -n)"
         )
         assert self.transport is not None
         self.transport.write(wire.error_response(503, msg, anthropic=None, keep_alive=False))

@@ -15,6 +15,8 @@ from clawpipe.proxy.server import ProxyServer
 
 log = logging.getLogger(__name__)
 
+RESERVED_FDS = 64  # descriptors kept for what is not a connection: segments, logs, the listener, checker pipes
+
 
 def _raise_fd_limit(wanted: int) -> None:
     """Raise the soft descriptor limit toward the hard one, so the connection caps, not the default soft
@@ -22,19 +24,45 @@ def _raise_fd_limit(wanted: int) -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted + 256  # segments, logs, the listening socket
+    target = wanted + 256  # segments, logs, the listening socket, and room to spare
     if soft != resource.RLIM_INFINITY and soft < target:
         new = target if hard == resource.RLIM_INFINITY else min(hard, target)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        if new < target:
-            log.warning("descriptor limit %d is below the proxy's connection caps (%d); raise ulimit -n", new, wanted)
+
+
+def fit_to_descriptors(cfg: ProxyConfig) -> None:
+    """Lower the connection caps to what the descriptor limit holds, when it could not be raised that far.
+
+    Past the limit a new connection cannot even be accepted: it is closed unanswered. Within the caps it is
+    answered (a 503 naming the cap) and an upstream connection still opens for the calls admitted.
+    """
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n = max(1, len(cfg.upstreams))
+    if soft == resource.RLIM_INFINITY or soft - RESERVED_FDS >= cfg.max_connections + n * cfg.max_upstream_conns:
+        return
+    budget = max(2 * n, soft - RESERVED_FDS)
+    per_upstream = max(1, min(cfg.max_upstream_conns, budget // (2 * n)))  # a call holds a client and an upstream
+    clients = max(1, min(cfg.max_connections, budget - n * per_upstream))
+    log.warning(
+        "descriptor limit %d holds fewer connections than asked: at most %d client connections and %d per "
+        "upstream (asked %d and %d); raise ulimit -n for more",
+        soft,
+        clients,
+        per_upstream,
+        cfg.max_connections,
+        cfg.max_upstream_conns,
+    )
+    cfg.max_connections, cfg.max_upstream_conns = clients, per_upstream
 
 
 def run_proxy(config: ProxyConfig | None = None, /, **kwargs: Any) -> None:
     """Run a proxy in the foreground until SIGINT/SIGTERM; logs its URL on start."""
     proxy = ProxyServer(config, **kwargs)
     _raise_fd_limit(proxy.config.max_connections + len(proxy.config.upstreams) * proxy.config.max_upstream_conns)
+    fit_to_descriptors(proxy.config)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
 

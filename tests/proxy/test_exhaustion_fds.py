@@ -31,16 +31,44 @@ FD_LIMIT = 96
 IN_FLIGHT = 4
 
 
+# A ProxyServer with its default caps (4,096 connections), which the descriptor limit cannot hold: what
+# `clawpipe proxy` would be without fitting its caps, or an embedded proxy whose process spends descriptors
+# elsewhere. Stops on SIGTERM.
+_UNFITTED = """
+import os, signal, sys, threading
+from clawpipe.proxy import ProxyServer
+proxy = ProxyServer(**kwargs)
+url = proxy.start()
+with open(ready + ".tmp", "w") as f:
+    f.write(url)
+os.replace(ready + ".tmp", ready)
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+stop.wait()
+proxy.stop(drain_timeout_s=5)
+"""
+
+
 def start_proxy(
-    upstream: str, capture_dir: Path, ready: Path, limit: str = "RLIMIT_NOFILE", value: int = FD_LIMIT
+    upstream: str,
+    capture_dir: Path,
+    ready: Path,
+    limit: str = "RLIMIT_NOFILE",
+    value: int = FD_LIMIT,
+    *,
+    fitted: bool = True,
 ) -> subprocess.Popen[bytes]:
+    """``clawpipe proxy`` (run_proxy: caps fitted to the descriptor limit), or a bare ProxyServer, under a limit."""
+    kwargs = dict(upstreams=[upstream], capture_dir=str(capture_dir), secret=SECRET, admin_token=ADMIN, port=0)
     code = (
         "import resource, sys\n"
         f"resource.setrlimit(resource.{limit}, ({value}, {value}))\n"
-        "from clawpipe.proxy.run import run_proxy\n"
-        f"run_proxy(upstreams=[{upstream!r}], capture_dir={str(capture_dir)!r}, secret={SECRET!r}, "
-        f"admin_token={ADMIN!r}, port=0, ready_file={str(ready)!r})\n"
+        f"kwargs, ready = {kwargs!r}, {str(ready)!r}\n"
     )
+    if fitted:
+        code += "from clawpipe.proxy.run import run_proxy\nrun_proxy(**kwargs, ready_file=ready)\n"
+    else:
+        code += _UNFITTED
     with open(ready.with_suffix(".log"), "wb") as log:  # its log, read when a check fails
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=log)
     deadline = time.monotonic() + 30
@@ -68,7 +96,7 @@ def raw_call(port: int, content: str) -> bytes:
 def test_a_proxy_out_of_descriptors_refuses_clearly_keeps_serving_and_captures_calls_once(tmp_path: Path) -> None:
     up = ScriptedUpstream(default=say("fine"), delay_s=3.0).start()
     cap = tmp_path / "cap"
-    proc = start_proxy(up.url, cap, tmp_path / "ready")
+    proc = start_proxy(up.url, cap, tmp_path / "ready", fitted=False)
     url = (tmp_path / "ready").read_text().strip()
     port = int(url.rsplit(":", 1)[1])
     idle: list[socket.socket] = []
@@ -175,3 +203,41 @@ def test_segments_at_the_file_size_limit_are_sealed_and_capture_goes_on_in_fresh
     lake = tmp_path / "lake"
     report = land(cap, lake)
     assert (report.calls, report.rejects) == (20, 0)
+
+
+@pytest.mark.slow
+def test_clawpipe_proxy_fits_its_connection_cap_to_its_descriptor_limit_and_answers_past_it(tmp_path: Path) -> None:
+    """Under ``ulimit -n 96`` `clawpipe proxy` serves at most 16 client connections: the ones past that are
+    answered with a 503 naming the cap (not closed unanswered), and admitted connections get their calls
+    through (an upstream connection still opens)."""
+    up = ScriptedUpstream(default=say("fine")).start()
+    cap = tmp_path / "cap"
+    proc = start_proxy(up.url, cap, tmp_path / "ready")
+    url = (tmp_path / "ready").read_text().strip()
+    port = int(url.rsplit(":", 1)[1])
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.settimeout(10)
+            conns.append(s)
+            time.sleep(0.01)  # accepted in order: the first ones are admitted
+        refused = []
+        for s in conns[16:]:
+            refused.append(read_all(s).decode(errors="replace"))
+        assert len(refused) == 24 and all(r.startswith("HTTP/1.1 503") for r in refused), refused[:1]
+        assert "limit of 16 open connections" in refused[0] and "ulimit -n" in refused[0]
+        for i, s in enumerate(conns[:16]):
+            s.sendall(raw_call(port, f"admitted {i}"))
+        answers = [read_all(s).decode(errors="replace") for s in conns[:16]]
+        assert all(a.startswith("HTTP/1.1 200") for a in answers), [a[:120] for a in answers if "200" not in a[:20]]
+    finally:
+        for s in conns:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        up.stop()
+    log = (tmp_path / "ready.log").read_text()
+    assert "descriptor limit 96 holds fewer connections than asked: at most 16 client connections" in log
+    lake = tmp_path / "lake"
+    assert land(cap, lake).calls == 16
