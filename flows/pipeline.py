@@ -40,7 +40,7 @@ from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
 from clawpipe.pipeline.faults import inject_fault  # noqa: E402
 from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
 from clawpipe.pipeline.services import publish  # noqa: E402
-from clawpipe.pipeline.state import run_lock  # noqa: E402
+from clawpipe.pipeline.state import run_lock, run_of_flow_run  # noqa: E402
 from clawpipe.pipeline.train_worker import close_worker  # noqa: E402
 from flows.cancel import CancelWatch  # noqa: E402
 
@@ -209,12 +209,20 @@ def pipeline(
     its MLflow run as KILLED (FAILED on an error) and leaves the run to ``clawpipe run --resume``."""
     logger = get_run_logger()
     settings = get_settings()
+    this_run = str(flow_run.id) if flow_run.id else None
+    if not run_id and this_run and (started := run_of_flow_run(settings.runs_dir, this_run)):
+        # this flow run started that run before its worker or host died, and was retried: go on with it
+        # rather than start another run from the initial policy
+        logger.info("flow run %s started run %s already: resuming it", this_run, started)
+        run_id, resume = started, True
     with contextlib.ExitStack() as held:
         # held by this flow too, not only by `clawpipe run`: a deployment's run (a worker runs this function)
         # of a run id another process is running is refused, not run a second time
         if run_id:
             held.enter_context(run_lock(settings.runs_dir, run_id, reentrant=True))
-        state = stages.open_run(settings, cfg, run_id=run_id, resume=resume, git_revision=_git_revision())
+        state = stages.open_run(
+            settings, cfg, run_id=run_id, resume=resume, git_revision=_git_revision(), flow_run_id=this_run
+        )
         held.enter_context(run_lock(settings.runs_dir, state.run_id, reentrant=True))
         return _drive(PipelineConfig.model_validate(state.config), state, settings, logger)
 

@@ -33,11 +33,18 @@ def _seed(*parts: object) -> int:
 
 
 def open_run(
-    settings: Settings, cfg: PipelineConfig | None, *, run_id: str | None, resume: bool, git_revision: str
+    settings: Settings,
+    cfg: PipelineConfig | None,
+    *,
+    run_id: str | None,
+    resume: bool,
+    git_revision: str,
+    flow_run_id: str | None = None,
 ) -> RunState:
     """The run's state: loaded to resume, or new (initial policy built, MLflow run started, config logged).
 
     Either way the prerequisites (harnesses, task sets, sandbox tool) are checked before anything starts.
+    A new run records ``flow_run_id``, the Prefect flow run that started it (see state.run_of_flow_run).
     """
     from clawpipe.tracking import make_tracker
 
@@ -58,7 +65,8 @@ def open_run(
         raise ConfigError(f"run {run_id} exists already; continue it with --resume {run_id}, or start a new run")
     check_prerequisites(cfg)
     run_id = run_id or new_run_id(cfg.run_name)
-    state = RunState(run_id=run_id, config=cfg.model_dump(), policy_dir=str(ensure_policy(cfg, settings)))
+    policy_dir = str(ensure_policy(cfg, settings))
+    state = RunState(run_id=run_id, config=cfg.model_dump(), policy_dir=policy_dir, flow_run_id=flow_run_id)
     tracker = make_tracker(experiment=cfg.experiment)
     state.mlflow_run_id = tracker.start_run(run_id, tags={"clawpipe.run_id": run_id, "git": git_revision})
     # the trainer's settings whole (defaults included, as the trainer logs them): runs of configs that set

@@ -33,6 +33,7 @@ class RunState:
     mlflow_run_id: str | None = None
     completed: list[dict[str, Any]] = field(default_factory=list)  # one summary per finished iteration
     peak_memory_mb: float = 0.0
+    flow_run_id: str | None = None  # the Prefect flow run that started it: a retry of that flow run resumes it
 
     @property
     def next_iteration(self) -> int:
@@ -69,6 +70,17 @@ class RunState:
             )
             raise ConfigError(f"no run {run_id!r} to resume under {runs_dir}; known runs: {known or 'none'}")
         return cls(**json.loads(path.read_text()))
+
+
+def run_of_flow_run(runs_dir: Path, flow_run_id: str) -> str | None:
+    """The id of the run that Prefect flow run ``flow_run_id`` started, if it started one."""
+    for path in sorted(runs_dir.glob("*/state.json")) if runs_dir.is_dir() else []:
+        try:
+            if json.loads(path.read_text()).get("flow_run_id") == flow_run_id:
+                return path.parent.name
+        except (OSError, ValueError):  # a state file being replaced, or not one of ours: not this run
+            continue
+    return None
 
 
 def new_run_id(run_name: str) -> str:

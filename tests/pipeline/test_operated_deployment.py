@@ -5,6 +5,7 @@ worker was killed mid-run. A real Prefect server, `clawpipe deploy` and `clawpip
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -169,3 +170,65 @@ def test_a_deployment_run_of_a_run_another_process_is_running_fails_at_once(depl
         holder.wait()
     assert f"run {run_id} is already running (process {holder.pid})" in message, message
     assert state_file.read_bytes() == before
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (children of each of its threads, recursively)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                found += kids
+                todo += kids
+    return found
+
+
+def _completed(home: Path) -> list[Path]:
+    return [p for p in home.glob("runs/*/state.json") if json.loads(p.read_text())["completed"]]
+
+
+def test_a_flow_run_retried_after_its_worker_was_killed_resumes_its_run(deployed: Deployed) -> None:
+    # before: the retried flow run started a new run from the initial policy, the first one left half done
+    import mlflow
+    from clawpipe.tables import connect
+
+    iterations = 3
+    cfg = {**deployed.cfg, "run_name": "retried", "iterations": iterations, "groups": 2, "samples": 4}
+    created = deployed.create_run({"cfg": {**cfg, "concurrency": 2}})
+    assert created.status_code < 400, created.text
+    flow_run_id = created.json()["id"]
+    worker = deployed.start_worker("killed-worker")
+    try:
+        deadline = time.monotonic() + 300
+        while not [p for p in _completed(deployed.home) if p.parent.name.startswith("retried-")]:
+            assert time.monotonic() < deadline and worker.poll() is None, deployed.state(flow_run_id)
+            time.sleep(0.2)
+        for pid in [worker.pid, *_descendants(worker.pid)]:  # the host went: worker and flow process alike
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        worker.wait()
+    finally:
+        _stop(worker, signal.SIGKILL)
+    (state_file,) = [p for p in deployed.home.glob("runs/retried-*/state.json")]
+    cut_at = len(json.loads(state_file.read_text())["completed"])
+    assert cut_at < iterations and deployed.state(flow_run_id)["type"] == "RUNNING"
+    retry = {"state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": True}
+    assert httpx.post(f"{deployed.api}/flow_runs/{flow_run_id}/set_state", json=retry, timeout=10).status_code < 400
+    worker = deployed.start_worker("retry-worker")
+    try:
+        state = deployed.wait_final(flow_run_id, timeout_s=420)
+    finally:
+        _stop(worker)
+    assert state["type"] == "COMPLETED", (deployed.tmp / "retry-worker.log").read_text()[-4000:]
+    # the same run went on: one run, every iteration once, one MLflow run
+    assert [p.parent.name for p in deployed.home.glob("runs/retried-*/state.json")] == [state_file.parent.name]
+    final = json.loads(state_file.read_text())
+    assert len(final["completed"]) == iterations and final["policy_version"] == iterations
+    run_id = state_file.parent.name
+    con = connect(deployed.home / "lake", tables=("rollouts",))
+    query = "select iteration, count(*) from rollouts where run_id = $r and status != 'infra_error' group by 1"
+    assert sorted(con.execute(query, {"r": run_id}).fetchall()) == [(it, 8) for it in range(iterations)]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{deployed.home / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "operated"]
+    assert len([r for r in client.search_runs([experiment.experiment_id]) if r.info.run_name == run_id]) == 1
