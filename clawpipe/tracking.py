@@ -33,6 +33,10 @@ T = TypeVar("T")
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value, in characters
 MAX_KEY_LEN = 250  # MLflow's limit on a param or metric name
 _BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")  # what MLflow refuses in a name (it allows \w, / . - space :)
+# errors of a store that answered and refused one request (a deleted run, a bad value): said, not an outage
+_REFUSALS = frozenset(
+    {"INVALID_PARAMETER_VALUE", "INVALID_STATE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"}
+)
 _RETRY_AFTER_S = 60.0  # a tracking store that failed is tried again this long after, not on every call
 # MLflow retries a request to a server that is away for minutes (7 retries, backoff factor 2); a run's
 # logging must not stall its iterations that long, so a few quick retries, then the store counts as away.
@@ -162,6 +166,9 @@ class MlflowTracker:
         try:
             result = fn()
         except Exception as exc:
+            if getattr(exc, "error_code", None) in _REFUSALS:  # the store answered: no outage, the run goes on
+                log.warning("MLflow at %s refused to %s: %s", self.tracking_uri, what, str(exc)[:300])
+                return None
             if outage.down_since is None:
                 outage.down_since = time.monotonic()
                 log.warning(

@@ -73,6 +73,26 @@ def test_long_values_and_names_mlflow_refuses_never_fail_a_run(tmp_path: Path, h
     assert set(run.data.metrics) == {"reward/a_b_c", "eval/_/x", tracking.tracking_name("m" * 300), "ok/name:1"}
 
 
+def test_a_request_the_store_refuses_is_said_and_later_calls_still_log(
+    tmp_path: Path, home: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import mlflow
+
+    uri = _uri(tmp_path)
+    gone = make_tracker(experiment="refused", tracking_uri=uri)
+    gone_id = gone.start_run("deleted")
+    assert gone_id is not None
+    mlflow.MlflowClient(tracking_uri=uri).delete_run(gone_id)  # someone deleted the run in the UI
+    caplog.set_level(logging.WARNING, logger="clawpipe.tracking")
+    gone.log_metrics({"reward/mean": 1.0}, step=0)
+    assert any("refused to log metrics" in r.getMessage() for r in caplog.records), caplog.text
+    other = make_tracker(experiment="refused", tracking_uri=uri)
+    other_id = other.start_run("other")
+    assert other_id is not None
+    other.log_metrics({"reward/mean": 2.0}, step=0)  # not dropped as if the store were away
+    assert _history(uri, other_id, "reward/mean") == [(0, 2.0)]
+
+
 def test_runs_of_two_configs_have_the_same_param_names(tmp_path: Path, home: Path) -> None:
     # before: only the train keys a config set were logged (and as given: 1 beside the trainer's 1.0)
     import mlflow
