@@ -108,9 +108,10 @@ def _config(folder: Path, raw: dict[str, Any]) -> Any:
         raise ServingError(f"{folder / 'config.json'} is not a valid {raw['model_type']} config: {exc}") from exc
 
 
-def _expected_shapes(folder: Path, cfg: Any) -> tuple[dict[str, tuple[int, ...]], int, set[str]]:
+def _expected_shapes(folder: Path, cfg: Any) -> tuple[dict[str, tuple[int, ...]], int, dict[str, str]]:
     """Parameter shapes of the model config.json describes (built on the meta device: nothing allocated), its
-    parameter count, and the names of parameters that share another's storage (tied, not stored)."""
+    parameter count, and the parameters that share another's storage (tied: name -> the name it shares with),
+    either of which a folder may store."""
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
@@ -118,10 +119,10 @@ def _expected_shapes(folder: Path, cfg: Any) -> tuple[dict[str, tuple[int, ...]]
         raise ServingError(f"{folder} does not describe a causal LM transformers can build: {exc}") from exc
     shapes: dict[str, tuple[int, ...]] = {}
     seen: dict[int, str] = {}
-    tied: set[str] = set()
+    tied: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
-            tied.add(name)
+            tied[name] = seen[id(p)]
             continue
         seen[id(p)] = name
         shapes[name] = tuple(p.shape)
@@ -236,30 +237,33 @@ def _compare(
     folder: Path,
     cfg: Any,
     expected: dict[str, tuple[int, ...]],
-    tied: set[str],
+    tied: dict[str, str],
     stored: StoredWeights,
     n_params: int,
 ) -> None:
     sizes = ", ".join(f"{k} {getattr(cfg, k)}" for k in SIZE_FIELDS if getattr(cfg, k, None) is not None)
+    aliases: dict[str, list[str]] = {name: [name] for name in expected}
+    for name, shared in tied.items():
+        aliases[shared].append(name)  # lm_head.weight may be what a folder stores of a tied embedding
     for name, shape in expected.items():
-        got = _lookup(stored.shapes, name)
-        if got is not None and got != shape:
-            raise ServingError(
-                f"{name} is stored in {folder} with shape {list(got)} but config.json ({sizes}) gives it "
-                f"{list(shape)}: the config does not describe these weights; fix config.json or the weights"
-            )
+        for alias in aliases[name]:
+            got = _lookup(stored.shapes, alias)
+            if got is not None and got != shape:
+                raise ServingError(
+                    f"{alias} is stored in {folder} with shape {list(got)} but config.json ({sizes}) gives it "
+                    f"{list(shape)}: the config does not describe these weights; fix config.json or the weights"
+                )
     held = stored.numel()
-    for name in tied:  # a folder may store a tied tensor twice; count the copy once
-        got = _lookup(stored.shapes, name)
-        if got is not None and name not in expected:
-            held -= _numel(got)
+    for name, names in aliases.items():  # a tied tensor stored under both names counts once
+        copies = sum(_lookup(stored.shapes, a) is not None for a in names)
+        held -= max(0, copies - 1) * _numel(expected[name])
     if held < n_params:
-        missing = [n for n in expected if _lookup(stored.shapes, n) is None]
+        missing = [n for n, names in aliases.items() if all(_lookup(stored.shapes, a) is None for a in names)]
+        listed = f" (missing: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})" if missing else ""
         raise ServingError(
             f"config.json of {folder} ({sizes}) describes {n_params:,} parameters but its weight files hold "
-            f"{held:,}"
-            + (f" (missing: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})" if missing else "")
-            + ": loading would fill the rest with random values; fix config.json or complete the weights"
+            f"{held:,}{listed}: loading would fill the rest with random values; fix config.json or complete the "
+            "weights"
         )
 
 

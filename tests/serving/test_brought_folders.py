@@ -54,6 +54,7 @@ def brought(
     pickled: bool = False,
     legacy_pickle: bool = False,
     template_in_config: bool = False,
+    named_templates: bool = False,
     no_template: bool = False,
     eos_ids: list[int] | None = None,
     vocab_size: int | None = None,
@@ -68,7 +69,8 @@ def brought(
     that dtype; tied: tie_word_embeddings with lm_head not stored; pickled: only pytorch_model.bin (legacy_pickle:
     in the pre-zip format of old PyTorch);
     template_in_config: chat_template inside tokenizer_config.json (older transformers) instead of
-    chat_template.jinja; no_template: none at all; eos_ids: generation_config.json eos_token_id list;
+    chat_template.jinja; named_templates: there as a list of named templates ("default", and "tool_use", taken
+    when a request has tools); no_template: none at all; eos_ids: generation_config.json eos_token_id list;
     vocab_size: embedding rows (more than the tokenizer's ids: padding rows); added_tokens: special tokens added
     to the tokenizer (the embeddings grown to hold them); llama: a Llama-shaped model of the same sizes (random
     weights) instead; legacy_config: config.json as transformers 4.x wrote it (torch_dtype, rope_theta at the top);
@@ -103,11 +105,14 @@ def brought(
         torch.save(state, dst / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy_pickle)
     else:
         model.save_pretrained(dst, max_shard_size=f"{shard_kb}KB" if shard_kb else "5GB")
-    if template_in_config or no_template:
+    if template_in_config or named_templates or no_template:
         template = (dst / "chat_template.jinja").read_text()
         (dst / "chat_template.jinja").unlink()
         if template_in_config:
             edit_json(dst / "tokenizer_config.json", chat_template=template)
+        if named_templates:
+            named = [{"name": "default", "template": template}, {"name": "tool_use", "template": template}]
+            edit_json(dst / "tokenizer_config.json", chat_template=named)
     if eos_ids is not None:
         edit_json(dst / "generation_config.json", eos_token_id=eos_ids)
     if legacy_config:
@@ -184,6 +189,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pickled-tied-bf16": {"pickled": True, "tied": True, "dtype": torch.bfloat16},
     "pickled-legacy-format": {"pickled": True, "legacy_pickle": True},
     "template-in-config": {"template_in_config": True},
+    "named-templates": {"named_templates": True},
     "padding-rows": {"vocab_size": 640},
     "added-tokens": {"added_tokens": ["<think>", "</think>"]},
     "llama": {"llama": True},
@@ -200,6 +206,21 @@ def test_brought_folder_served_with_exact_logprobs(policy_dir: Path, tmp_path: P
         if VARIANTS[name].get("tied"):
             model = handle.engine.model
             assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        served_as_trained(handle.url, folder)
+
+
+def test_tied_embedding_stored_as_lm_head_is_served_not_refused(policy_dir: Path, tmp_path: Path) -> None:
+    """A tied model whose weights file names the shared tensor lm_head.weight (not model.embed_tokens.weight):
+    transformers ties the embedding to it, so it holds every parameter config.json describes and is served with
+    that very tensor as its embedding (neither refused as missing one, nor given a random embedding)."""
+    folder = brought(policy_dir, tmp_path / "lm-head-only", tied=True)
+    state = load_file(folder / "model.safetensors")
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with start(folder) as handle:
+        model = handle.engine.model
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert torch.equal(model.get_input_embeddings().weight, state["lm_head.weight"])
         served_as_trained(handle.url, folder)
 
 
