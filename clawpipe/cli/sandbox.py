@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -193,6 +194,8 @@ def harness_check(
     from clawpipe.sandbox import find_harness
     from clawpipe.sandbox.backends.base import INNER_HARNESS
     from clawpipe.sandbox.manifest import default_harness_dirs
+    from clawpipe.sandbox.precheck import command_problems
+    from clawpipe.tasks import list_task_sets
 
     m = find_harness(name, [*harness_dir, *default_harness_dirs()])
     typer.echo(f"{m.name}: ok")
@@ -204,11 +207,26 @@ def harness_check(
     state = packages_state(m.dir)
     if state is not None:
         typer.echo(f"  packages: {state}")
+    problems = command_problems(m)
+    for problem in problems:
+        typer.secho(f"  cannot start: {problem}", fg="red")
+    known = list_task_sets()
+    for ts_name in m.task_sets:
+        if ts_name not in known and ":" not in ts_name:  # 'package.module:attr' sets are imported when run
+            close = difflib.get_close_matches(ts_name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            typer.secho(
+                f"  task set {ts_name!r} is neither built in nor registered in this process (known: "
+                f"{', '.join(known)}){hint}",
+                fg="yellow",
+            )
     if transcript is not None:
         failed = [name for name in tasks or m.task_sets if not check_transcript(transcript, name)]
         if failed:
             typer.secho(f"{transcript}: does not follow the transcript contract of {failed}", fg="red")
             raise typer.Exit(1)
+    if problems:
+        raise typer.Exit(1)
 
 
 def transcript_contract(task_set: object) -> str:

@@ -53,7 +53,8 @@ def test_a_harness_posing_as_bwrap_is_scored_as_the_failure_it_is(
 def test_a_sandbox_that_could_not_be_built_is_still_an_infra_error(
     tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
 ) -> None:
-    harness = make_harness(tmp_path / "h", "gone", "print('never runs')\n")
+    # inline code: the runner's check that the command can start has no script file to miss
+    harness = make_harness(tmp_path / "h", "gone", "", command=["python3", "-c", "print('never runs')"])
     manifest = load_manifest(harness)
     shutil.rmtree(harness)  # bwrap cannot bind the harness folder any more
     res = run(tmp_path, upstream, echo, manifest)
