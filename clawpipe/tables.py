@@ -12,6 +12,7 @@ The lake root is a local path (default) or a filesystem URL: ``file:///abs/path`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -127,9 +128,17 @@ class LakeFS:
         if parent:
             self.makedirs(parent)
         tmp = f"{rel}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
-        with self.fs.open_output_stream(self.full(tmp)) as f:
-            f.write(data)
+        try:
+            with self.fs.open_output_stream(self.full(tmp)) as f:
+                f.write(data)
+        except BaseException:  # a full disk: no temporary file stays behind
+            self._discard(tmp)
+            raise
         self.move(tmp, rel)
+
+    def _discard(self, rel: str) -> None:
+        with contextlib.suppress(OSError):
+            self.fs.delete_file(self.full(rel))
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Write a small file only if ``rel`` does not exist; False when it does (nothing written).
@@ -143,14 +152,15 @@ class LakeFS:
         if not self.is_local:
             return objstore.create_exclusive(self.fsspec, self.full(rel), data)
         tmp = self.full(f"{rel}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
-        with open(tmp, "wb") as f:
-            f.write(data)
         try:
+            with open(tmp, "wb") as f:
+                f.write(data)
             os.link(tmp, self.full(rel))
         except FileExistsError:
             return False
-        finally:
-            os.unlink(tmp)
+        finally:  # also after a write that failed (a full disk)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         return True
 
     def write_parquet(self, rel: str, table: pa.Table) -> None:
@@ -365,8 +375,13 @@ def replace_partition(
         raise LakeError(f"rows for {table} do not match schemas.{table.upper()}: {exc}") from exc
     lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)
     staged = f"{STAGING}/{uuid.uuid4().hex}"
-    lake.write_parquet(f"{staged}/part-{uuid.uuid4().hex}.parquet", data)
     target = partition_rel(table, run_id, iteration)
-    lake.swap_dir(staged, target)
+    try:
+        lake.write_parquet(f"{staged}/part-{uuid.uuid4().hex}.parquet", data)
+        lake.swap_dir(staged, target)
+    except BaseException:  # a write that fails (a full disk) leaves no staging folder; the old partition stays
+        with contextlib.suppress(OSError):
+            lake.delete_dir(staged)
+        raise
     lake.delete_dir(staged)
     return Path(lake.full(target))
