@@ -232,3 +232,50 @@ def test_a_flow_run_retried_after_its_worker_was_killed_resumes_its_run(deployed
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{deployed.home / 'mlflow.db'}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "operated"]
     assert len([r for r in client.search_runs([experiment.experiment_id]) if r.info.run_name == run_id]) == 1
+
+
+def test_a_deployment_run_cancelled_in_the_ui_stops_on_its_worker(deployed: Deployed) -> None:
+    import mlflow
+
+    cfg = {**deployed.cfg, "run_name": "cancelled", "iterations": 4, "groups": 2, "samples": 4, "concurrency": 2}
+    created = deployed.create_run({"cfg": cfg})
+    assert created.status_code < 400, created.text
+    flow_run_id = created.json()["id"]
+    worker = deployed.start_worker("cancel-worker")
+    try:
+        deadline = time.monotonic() + 300
+        while not [p for p in _completed(deployed.home) if p.parent.name.startswith("cancelled-")]:
+            assert time.monotonic() < deadline and worker.poll() is None, deployed.state(flow_run_id)
+            time.sleep(0.2)
+        # the flow run's processes: everything under the worker but the Prefect worker process itself
+        flow_procs = [p for p in _descendants(worker.pid) if b"worker\0start" not in _cmdline(p)]
+        cancel = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
+        r = httpx.post(f"{deployed.api}/flow_runs/{flow_run_id}/set_state", json=cancel, timeout=10)
+        assert r.status_code < 400, r.text
+        state = deployed.wait_final(flow_run_id, timeout_s=120)
+        assert state["type"] == "CANCELLED", state
+        deadline = time.monotonic() + 30
+        while (left := [p for p in flow_procs if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, [_cmdline(p)[:200] for p in left]
+        assert worker.poll() is None  # the worker itself goes on taking runs
+    finally:
+        _stop(worker)
+    (state_file,) = deployed.home.glob("runs/cancelled-*/state.json")
+    mlflow_run_id = json.loads(state_file.read_text())["mlflow_run_id"]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{deployed.home / 'mlflow.db'}")
+    assert client.get_run(mlflow_run_id).info.status == "KILLED"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
