@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,29 @@ def _lake_root(lake: str | None) -> str:
 
 
 def _fail(exc: Exception) -> None:
-    typer.secho(f"error: {exc}", err=True, fg="red")
+    typer.secho(f"error: {shown_text(str(exc), keep_newlines=True)}", err=True, fg="red")
     raise typer.Exit(1)
+
+
+# Characters a terminal acts on rather than shows: C0 controls (escape sequences, carriage return, bell), DEL,
+# C1 controls, and the bidirectional overrides that make text read other than it is stored.
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def shown_text(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` safe to print to a terminal: what the lake holds comes from harnesses and the policy, and an
+    escape sequence in a model's answer or a harness's stderr must not drive the reader's terminal. Control
+    characters are written as escapes (``\\n``, ``\\x1b``, ``\\u202e``)."""
+
+    def esc(m: re.Match[str]) -> str:
+        c = m.group()
+        if c == "\n":
+            return "\n" if keep_newlines else "\\n"
+        if c == "\t":
+            return "\\t"
+        return f"\\x{ord(c):02x}" if ord(c) <= 0xFF else f"\\u{ord(c):04x}"
+
+    return _UNSHOWN.sub(esc, text)
 
 
 def _check_timeout(value: float | None) -> float | None:
@@ -35,12 +57,12 @@ def _check_timeout(value: float | None) -> float | None:
 
 def _cell(v: Any, width: int = 60) -> str:
     s = "NULL" if v is None else v if isinstance(v, str) else json.dumps(v, default=str)
-    s = s.replace("\n", "\\n")
+    s = shown_text(s)
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
 def _print_table(table: Any) -> None:
-    names = table.column_names
+    names = [shown_text(n) for n in table.column_names]  # PIVOT makes column names of values
     rows = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
     widths = [max([len(n)] + [len(r[i]) for r in rows]) for i, n in enumerate(names)]
     out = sys.stdout
