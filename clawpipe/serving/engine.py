@@ -191,6 +191,12 @@ class Engine:
                 f"the checkpoint in {path} has vocab_size {model.config.vocab_size}, the served policy "
                 f"{self.model.config.vocab_size}: reload needs the same tokenizer; restart the server for a new one"
             )
+        positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        if positions and positions < self.max_model_len:  # learned positions past the table index out of range
+            raise RequestError(
+                f"the checkpoint in {path} has max_position_embeddings {positions}, below the served context "
+                f"{self.max_model_len}: requests that fit the context would fail; restart the server to serve it"
+            )
         await asyncio.to_thread(self._warn_other_tokenizer, Path(path))
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()

@@ -22,9 +22,10 @@ Why not flex attention with a block mask: with torch 2.13 its backward raises No
 
 Used through transformers' attention registry: the model's config switches to ``clawpipe_tree`` for the
 packed forward (and its backward, where activation checkpointing recomputes layers), and the decoder
-receives the plan as the keyword ``PLAN_KWARG``, which every transformers decoder passes on to its attention
-function untouched. (A mask dict ``{"full_attention": plan}`` reaches the layers only in decoders that take one,
-such as Qwen2's; Llama's builds its own mask from it, which is None for a kernel without a mask function.)
+receives no mask and the plan as the keyword ``PLAN_KWARG``, which every transformers decoder passes on to its
+attention function untouched. (A mask dict ``{"full_attention": plan}`` reaches the layers only in decoders that
+take one, such as Qwen2's; Llama's builds its own mask from it, which is None for a kernel without a mask
+function, and GPT-2's fails on it.)
 """
 
 from __future__ import annotations

@@ -68,10 +68,11 @@ def score(
     decoder = decoder_of(model)
     if mb.tree is not None:
         with tree_attention(model):
-            masks = {"full_attention": mb.tree, "sliding_attention": mb.tree}
-            plan = {PLAN_KWARG: mb.tree}  # reaches the kernel in every decoder, whatever it does with the masks
+            # no mask: the plan goes to the kernel as a keyword every decoder passes on (a mask dict reached it only
+            # in decoders that take one, such as Qwen2's; Llama's built a None mask of it, GPT-2's failed on it)
+            plan = {PLAN_KWARG: mb.tree}
             out = decoder(
-                input_ids=mb.input_ids, attention_mask=masks, position_ids=mb.position_ids, use_cache=False, **plan
+                input_ids=mb.input_ids, attention_mask=None, position_ids=mb.position_ids, use_cache=False, **plan
             )
     else:
         out = decoder(

@@ -41,6 +41,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout of the policy (its Dropout modules and the attention dropout rates transformers reads
+    in training mode). The policy must score tokens as the engine did when it sampled them: with dropout (GPT-2's
+    configs default to 0.1) every ratio to the sampling logprobs, and the step's own first-epoch ratio, would be
+    noise away from 1, and clipping would act on that noise. Training mode itself stays (checkpointing needs it)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            setattr(module, "attention_dropout", 0.0)  # noqa: B010 (a float attribute of the attention module)
+
+
 def enable_activation_checkpointing(model: Any) -> None:
     """Checkpoint every decoder layer (non-reentrant: it passes the tree attention's plan argument through)."""
     kwargs = {"use_reentrant": False}
@@ -87,6 +99,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model = model.to(self.device)
         self.model.train()
+        disable_dropout(self.model)
         if config.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self.policy_version = policy_version

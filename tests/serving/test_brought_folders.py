@@ -491,3 +491,38 @@ def test_reload_with_another_tokenizer_is_logged(
             warned = [m for m in caplog.messages if "differs from the served one" in m]
             assert bool(warned) == (folder == other), caplog.messages
         assert "513 vs 512 ids" in warned[0]
+
+
+def test_reload_with_fewer_positions_than_the_served_context_is_refused(policy_dir: Path, tmp_path: Path) -> None:
+    """GPT-2-shaped folders (learned position table): a checkpoint with a shorter table than the context being
+    served would fail every longer request with an index error (a 500); it is refused and the served weights
+    stay. A checkpoint of another architecture with the same tokenizer and enough positions reloads."""
+    from transformers import GPT2Config
+
+    def gpt2(dst: Path, positions: int) -> Path:
+        folder = brought(policy_dir, dst)
+        for f in ("model.safetensors", "config.json", "generation_config.json"):
+            (folder / f).unlink()
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=512, n_positions=positions, n_embd=64, n_layer=2, n_head=4, eos_token_id=2)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        return folder
+
+    served = gpt2(tmp_path / "served", 256)
+    short = gpt2(tmp_path / "ckpt" / "short", 64)
+    llama = brought(policy_dir, tmp_path / "ckpt" / "llama", llama=True)
+    body = {"messages": [{"role": "user", "content": "go " * 30}], "max_tokens": 40, "seed": 1}
+    with start(served, reload_roots=[str(tmp_path / "ckpt")]) as handle:
+        assert handle.engine.max_model_len == 256
+        served_as_trained(handle.url, served)
+
+        def reload(folder: Path) -> httpx.Response:
+            auth = {"Authorization": f"Bearer {ADMIN}"}
+            return httpx.post(handle.url + "/admin/reload", json={"path": str(folder)}, headers=auth, timeout=60)
+
+        r = reload(short)
+        assert r.status_code == 400 and "max_position_embeddings 64, below the served context 256" in r.text
+        ok = post(handle.url, "/v1/chat/completions", body)
+        assert ok.status_code == 200 and ok.json()["policy_version"] == 0
+        assert reload(llama).status_code == 200
+        served_as_trained(handle.url, llama)

@@ -192,21 +192,35 @@ def test_trainer_refuses_tokenizer_ids_past_the_embedding(tmp_path: Path, base: 
         load_policy(folder)
 
 
-@pytest.mark.parametrize(("attention", "checkpointing"), [("blocks", False), ("blocks", True), ("dense", False)])
-def test_llama_shaped_packed_trees_equal_flat(attention: str, checkpointing: bool) -> None:
-    """A Llama decoder builds its own mask from what it is given (a Qwen2 decoder passes a mask dict through):
-    the packed tree forward must still attend along the tree, so loss and gradients equal the flat ones."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def other_decoder(arch: str) -> Any:
+    """A small random decoder of another family than the Qwen2 the default policy is (tests.train.helpers VOCAB)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-    from tests.train.helpers import VOCAB, random_group_trees
-    from tests.train.test_equivalence import assert_close, packed_and_flat
+    from tests.train.helpers import VOCAB
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if arch == "gpt2":  # learned positions, its own mask handling, dropout 0.1 by default
+        config: Any = GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=32, n_layer=2, n_head=4, eos_token_id=1)
+    else:
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512,
+        )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("arch", "attention", "checkpointing"),
+    [("llama", "blocks", False), ("llama", "blocks", True), ("llama", "dense", False), ("gpt2", "blocks", False)],
+)
+def test_other_decoders_packed_trees_equal_flat(arch: str, attention: str, checkpointing: bool) -> None:
+    """Llama's decoder builds its own mask from what it is given and GPT-2's reads it as a tensor (Qwen2's passes
+    a mask dict through): the packed tree forward still attends along the tree, without dropout (GPT-2 has 0.1),
+    so loss and gradients equal the flat ones."""
+    from tests.train.helpers import random_group_trees
+    from tests.train.test_equivalence import assert_close, packed_and_flat
+
+    model = other_decoder(arch)
     trees, infos = random_group_trees(1, versions=(3,))
     cfg = make_config(attention=attention, activation_checkpointing=checkpointing, max_tokens_per_micro_batch=256)
     _, sums, ref, packed, flat = packed_and_flat(model, trees, infos, cfg)
