@@ -118,13 +118,26 @@ class Scorer(torch.nn.Module):
         return s.logprob.clone(), s.entropy.clone(), s.value.clone() if s.value is not None else None
 
 
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The decoder's list of layers, whatever the architecture names it (``layers`` in Qwen2 and Llama, ``h`` in
+    GPT-2): the one ModuleList directly under the decoder."""
+    decoder = decoder_of(model)
+    found = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
+    if len(found) != 1:
+        raise TrainingError(
+            f"cannot tell the decoder layers of {type(model).__name__} to shard (found {len(found)} module lists "
+            "under its decoder); train it in one process (nproc = 1)"
+        )
+    return found[0]
+
+
 def shard(scorer: Scorer, ctx: DistContext) -> None:
     """FSDP2 over the decoder layers and the wrapper; gradients summed (not averaged) across ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    for layer in decoder_of(scorer.model).layers:
+    for layer in decoder_layers(scorer.model):
         fully_shard(layer, mesh=mesh)
     fully_shard(scorer, mesh=mesh)
     for m in scorer.modules():

@@ -225,3 +225,46 @@ def test_other_decoders_packed_trees_equal_flat(arch: str, attention: str, check
     cfg = make_config(attention=attention, activation_checkpointing=checkpointing, max_tokens_per_micro_batch=256)
     _, sums, ref, packed, flat = packed_and_flat(model, trees, infos, cfg)
     assert_close(sums, ref, packed, flat)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_distributed_shards_each_decoder_layer_of_other_families(arch: str) -> None:
+    """FSDP2 wraps one unit per decoder layer: found under whatever name the family gives its list (GPT-2: h)."""
+    from clawpipe.train.distributed import decoder_layers
+
+    model = other_decoder(arch)
+    layers = decoder_layers(model)
+    assert len(layers) == 2 and layers is (model.transformer.h if arch == "gpt2" else model.model.layers)
+
+
+@pytest.mark.slow
+def test_gpt2_shaped_policy_trains_in_two_ranks(home: Path, tmp_path: Path, base: Path) -> None:
+    """`clawpipe train --nproc 2` on a GPT-2-shaped folder: FSDP2 finds its layers (``h``), the ranks train the
+    trees and the exported checkpoint loads as the same architecture."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from tests.train.test_step import RUN as STEP_RUN
+    from tests.train.test_step import write_lake
+
+    folder = brought(base, tmp_path / "gpt2")
+    for f in ("model.safetensors", "config.json", "generation_config.json"):
+        (folder / f).unlink()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=512, n_positions=256, n_embd=32, n_layer=2, n_head=4, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    write_lake(home / "lake", folder, iteration=0)
+    (tmp_path / "train.toml").write_text('device = "cpu"\n')
+    cmd = [sys.executable, "-m", "clawpipe", "train", "--run", STEP_RUN, "--iteration", "0", "--nproc", "2"]
+    cmd += ["--config", str(tmp_path / "train.toml"), "--policy", str(folder), "--out", str(tmp_path / "out")]
+    cmd += ["--no-track", "--metrics-out", str(tmp_path / "m.json")]
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    done = json.loads((tmp_path / "m.json").read_text())
+    assert done["metrics"]["dist/world_size"] == 2.0
+    assert done["metrics"]["logprob/max_abs_diff_current"] < 1e-4
+    trained = load_policy(done["checkpoint"])
+    assert type(trained.model).__name__ == "GPT2LMHeadModel"
