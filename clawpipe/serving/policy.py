@@ -296,7 +296,17 @@ def load_tokenizer(dir: str | Path) -> PreTrainedTokenizerFast:
     """
     path = Path(dir)
     if path.is_dir() and not (path / "tokenizer.json").exists():
-        raise ServingError(f"no tokenizer.json in {path}: run `clawpipe model init {path}` or pass a model directory")
+        others = sorted(f.name for f in path.glob("tokenizer*") if f.name != "tokenizer_config.json")
+        hint = (
+            f" (it has {', '.join(others)}; clawpipe loads fast tokenizers only: write tokenizer.json with "
+            "transformers, AutoTokenizer.from_pretrained(dir).save_pretrained(dir))"
+            if others
+            else ""
+        )
+        raise ServingError(
+            f"no tokenizer.json in {path}{hint}: pass a model directory with one, or run `clawpipe model init "
+            f"{path}` for a new policy"
+        )
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(dir), padding_side="left")
     except (OSError, ValueError) as exc:

@@ -324,6 +324,28 @@ def test_template_raising_for_a_role_is_a_400_naming_it(policy_dir: Path, tmp_pa
         assert ok.status_code == 200
 
 
+def test_template_reaching_for_python_is_a_400_and_runs_nothing(policy_dir: Path, tmp_path: Path) -> None:
+    """A chat template is folder content too: one that reaches for os.system through Python attributes is stopped
+    by the sandboxed renderer, a 400, and the command never runs."""
+    folder = brought(policy_dir, tmp_path / "evil-template")
+    marker = tmp_path / "ran"
+    reach = "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
+    (folder / "chat_template.jinja").write_text(reach + "{{ messages[0]['content'] }}")
+    with start(folder) as handle:
+        r = post(handle.url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4})
+        assert r.status_code == 400 and "unsafe" in r.json()["error"]["message"]
+    assert not marker.exists()
+
+
+def test_sentencepiece_only_tokenizer_is_refused_saying_how_to_convert(policy_dir: Path, tmp_path: Path) -> None:
+    folder = brought(policy_dir, tmp_path / "spm")
+    (folder / "tokenizer.json").rename(folder / "tokenizer.model")  # stands in for a slow tokenizer's file
+    with pytest.raises(
+        ServingError, match=r"no tokenizer.json .*\(it has tokenizer\.model; clawpipe loads fast tokenizers only"
+    ):
+        start(folder)
+
+
 def test_prompt_past_max_position_embeddings_is_a_400_naming_it(policy_dir: Path, tmp_path: Path) -> None:
     folder = brought(policy_dir, tmp_path / "short")
     edit_json(folder / "config.json", max_position_embeddings=48)
