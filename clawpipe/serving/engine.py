@@ -345,7 +345,9 @@ class Engine:
             seed = req.params.seed + i if req.params.seed is not None else secrets.randbits(63)
             lazy = not req.params.stream and not req.params.stop
             hidden = self.hidden_ids | set(req.params.stop_token_ids) if req.params.stop_token_ids else self.hidden_ids
-            detok = Detokenizer(self.tokenizer, list(req.params.stop), hidden, lazy=lazy)
+            detok = Detokenizer(
+                self.tokenizer, list(req.params.stop), hidden, lazy=lazy, byte_pieces=self.table.byte_pieces
+            )
             rows.append(Row(request=req, index=i, rng=random.Random(seed), detok=detok))
         return rows
 

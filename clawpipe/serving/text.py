@@ -40,6 +40,7 @@ class TokenTable:
         except Exception:
             decoder = {}
         self._byte_level = decoder.get("type") == "ByteLevel"
+        self.byte_pieces = _byte_fallback_ids(tokenizer, decoder)
         self._cache: dict[int, tuple[str, list[int]]] = {}
         # the most text characters one token can stand for (a byte-level piece's characters are its bytes)
         self.longest_piece = max(map(len, tokenizer.get_vocab()), default=1)
@@ -79,6 +80,17 @@ class TokenTable:
         return {"token": text, "logprob": logprob, "bytes": raw}
 
 
+def _byte_fallback_ids(tokenizer: Any, decoder: dict[str, Any]) -> frozenset[int]:
+    """The ids of ``<0xNN>`` pieces when the decoder falls back to bytes (SentencePiece-style tokenizers, as
+    Llama 2's and Mistral's): a run of them decodes as one, and as U+FFFD for every byte of it when the run is not
+    valid UTF-8, so each piece's text depends on the pieces after it."""
+    parts = decoder.get("decoders") or [decoder]
+    if not any(isinstance(d, dict) and d.get("type") == "ByteFallback" for d in parts):
+        return frozenset()
+    vocab = tokenizer.get_vocab()
+    return frozenset(i for piece, i in vocab.items() if len(piece) == 6 and piece.startswith("<0x") and piece[5] == ">")
+
+
 @dataclass
 class Detokenizer:
     """Incremental text of one choice: decodes the new ids, finds stop strings, and holds back text that may
@@ -92,6 +104,9 @@ class Detokenizer:
     stop: list[str]
     hidden_ids: set[int]
     lazy: bool = False  # decode only when the final text is taken (no stop strings, not streamed)
+    # byte-fallback pieces (TokenTable.byte_pieces): text is taken only once their run has ended, since a later
+    # byte can turn the whole run's text into U+FFFD; decoding the run in parts would give other text
+    byte_pieces: frozenset[int] = frozenset()
     ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0
@@ -124,8 +139,8 @@ class Detokenizer:
             return
         before = self._decode(self.ids[self._prefix : self._read]) if self._read > self._prefix else ""
         after = self._decode(self.ids[self._prefix :])
-        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
-            return  # an incomplete character: wait for the next id
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd") or self.ids[-1] in self.byte_pieces):
+            return  # an incomplete character or a byte run not yet ended: wait for the next id
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         self._settle()

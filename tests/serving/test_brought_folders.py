@@ -274,6 +274,53 @@ def test_bos_tokenizer_one_bos_in_every_prompt(policy_dir: Path, tmp_path: Path)
         assert wrong.status_code == 400 and "add_special_tokens" in wrong.json()["error"]["message"]
 
 
+def byte_fallback_folder(base: Path, dst: Path) -> Path:
+    """The tiny policy with a SentencePiece-style tokenizer (Metaspace pieces, ``<0xNN>`` byte fallback, as Llama 2
+    and Mistral have) of the same 512 ids, trained on the same corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from clawpipe.serving import policy
+
+    folder = brought(base, dst)
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    pieces = ["<unk>", *policy.SPECIAL_TOKENS, *(f"<0x{b:02X}>" for b in range(256))]
+    tok.train_from_iterator(policy.build_corpus(0), trainer=trainers.BpeTrainer(vocab_size=512, special_tokens=pieces))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=policy.IM_END, pad_token=ENDOFTEXT, unk_token="<unk>", padding_side="left",
+        chat_template=policy.CHAT_TEMPLATE, additional_special_tokens=[policy.IM_START, policy.TOOL_CALL_OPEN,
+        policy.TOOL_CALL_CLOSE],
+    )  # fmt: skip
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / f).unlink()
+    fast.save_pretrained(folder)
+    ids = {"eos_token_id": fast.convert_tokens_to_ids(policy.IM_END), "pad_token_id": fast.pad_token_id}
+    edit_json(folder / "config.json", **ids)
+    edit_json(folder / "generation_config.json", **ids)
+    return folder
+
+
+def test_byte_fallback_tokenizer_streams_the_text_it_returns(policy_dir: Path, tmp_path: Path) -> None:
+    """A run of byte pieces that is not valid UTF-8 decodes as U+FFFD for each of its bytes, the valid ones too:
+    streamed text (decoded as the ids come) equals the text returned whole and the decoded ids, for answers of a
+    random model full of such runs."""
+    folder = byte_fallback_folder(policy_dir, tmp_path / "spm")
+    tok = load_tokenizer(folder)
+    with start(folder) as handle:
+        stop_ids = set(handle.engine.stop_ids)
+        for seed in range(6):
+            body = {"messages": MESSAGES, "max_tokens": 40, "seed": seed, "temperature": 1.0}
+            whole = post(handle.url, "/v1/chat/completions", body).json()["choices"][0]
+            events = stream_events(handle.url, "/v1/chat/completions", body)
+            streamed = "".join((c.get("delta") or {}).get("content") or "" for ev in events for c in ev["choices"])
+            decoded = tok.decode([i for i in whole["token_ids"] if i not in stop_ids])
+            assert streamed == whole["message"]["content"] == decoded, seed
+
+
 def test_padding_rows_sampled_are_reported_not_refused(policy_dir: Path, tmp_path: Path) -> None:
     """A model with more embedding rows than the tokenizer has ids (as published models pad them) is served; a
     random model samples the padding ids too, and they come back with finite logprobs and empty text."""
