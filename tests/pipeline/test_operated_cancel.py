@@ -107,6 +107,11 @@ def _flow_runs(api: str, name: str) -> list[dict[str, object]]:
     return list(httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json())
 
 
+def _lake_check(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "clawpipe", "lake", "check"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
 def _completed(home: Path) -> int:
     states = list(home.glob("runs/*/state.json"))
     return len(json.loads(states[0].read_text())["completed"]) if states else 0
@@ -165,6 +170,7 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(tm
         assert client.get_run(mlflow_run_id).info.status == "KILLED"
         with run_lock(home / "runs", run_id):  # released
             pass
+        assert _lake_check(env).returncode == 0, _lake_check(env).stdout[-3000:]  # nothing half-visible
 
         resumed = subprocess.run(
             [*cli, "--resume", run_id], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
@@ -180,9 +186,7 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(tm
             steps = [m.step for m in client.get_metric_history(mlflow_run_id, key)]
             assert len(steps) == len(set(steps)), (key, sorted(steps))
 
-        check = subprocess.run(
-            [sys.executable, "-m", "clawpipe", "lake", "check"], env=env, capture_output=True, text=True, cwd=ROOT
-        )
+        check = _lake_check(env)
         assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
         from clawpipe.tables import connect
 
