@@ -284,6 +284,12 @@ def register(app: typer.Typer) -> None:
     def check_cmd(
         lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <CLAWPIPE_HOME>/lake."),
         show: int = typer.Option(10, "--show", min=0, help="Offending rows to print per failed audit."),
+        timeout_s: float | None = typer.Option(
+            None, "--timeout-s", callback=_check_timeout, help="Stop an audit after this many seconds; default none."
+        ),
+        memory_mb: int | None = typer.Option(
+            None, "--memory-mb", min=1, help="Memory an audit may use, in MB; default a quarter of physical memory."
+        ),
     ) -> None:
         """Run every audit in sql/audits; exit 1 when any returns offending rows."""
         from clawpipe.errors import ClawpipeError
@@ -292,7 +298,7 @@ def register(app: typer.Typer) -> None:
         if lake is not None:  # a mistyped --lake would pass every audit on no data
             _check_lake(lake)
         try:
-            results = run_audits(_lake_root(lake))
+            results = run_audits(_lake_root(lake), timeout_s=timeout_s or 0, memory_mb=memory_mb)
         except ClawpipeError as exc:
             _fail(exc)
         failed = 0

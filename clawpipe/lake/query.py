@@ -112,11 +112,6 @@ def _whole(name: str, option: str, value: Any, least: int, default: Callable[[],
     return value
 
 
-def connect_read_only(lake_root: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
-    """A connection with the lake's views that can read nothing but the lake's Parquet files and write nothing."""
-    return _connect_pinned(tables.LakeFS(lake_root))[0]
-
-
 def _connect_pinned(
     lake: tables.LakeFS, limits: QueryLimits | None = None, spill_dir: str | None = None
 ) -> tuple[duckdb.DuckDBPyConnection, dict[str, list[str]]]:
@@ -435,16 +430,31 @@ def run_saved(
     )
 
 
-def run_audits(lake_root: str | os.PathLike[str]) -> dict[str, pa.Table]:
-    """Every audit in sql/audits: name -> offending rows (an empty table is a pass)."""
-    con = connect_read_only(lake_root)
-    try:
-        out = {}
-        for name in sqlfiles.sql_names("audits"):
-            try:
-                out[name] = con.sql(sqlfiles.sql_text(f"audits/{name}")).to_arrow_table()
-            except duckdb.Error as exc:
-                raise LakeError(f"audit {name} failed: {exc}") from exc
-        return out
-    finally:
-        con.close()
+def run_audits(
+    lake_root: str | os.PathLike[str],
+    *,
+    timeout_s: float | None = 0,
+    memory_mb: int | None = None,
+    spill_mb: int | None = None,
+    threads: int | None = None,
+) -> dict[str, pa.Table]:
+    """Every audit in sql/audits: name -> offending rows (an empty table is a pass).
+
+    Each audit runs as :func:`run_sql` runs a query: read-only, retried across a compaction, under the same
+    memory, spill and thread caps (so an audit over a large lake fails with a message rather than taking the
+    machine's memory); ``timeout_s`` bounds each audit, none by default (0), since an audit reads whole tables.
+    """
+    out = {}
+    for name in sqlfiles.sql_names("audits"):
+        try:
+            out[name] = run_sql(
+                lake_root,
+                sqlfiles.sql_text(f"audits/{name}"),
+                timeout_s=timeout_s,
+                memory_mb=memory_mb,
+                spill_mb=spill_mb,
+                threads=threads,
+            )
+        except LakeError as exc:
+            raise LakeError(f"audit {name} failed: {exc}") from exc
+    return out
