@@ -45,6 +45,11 @@ def whole_characters(value: Any) -> Any:
     return value
 
 
+# vLLM's reasoning parsers put the model's thinking in its own field of a chat message and its deltas:
+# ``reasoning_content`` in older releases, ``reasoning`` in newer ones (some servers send both).
+_REASONING_KEYS = ("reasoning_content", "reasoning")
+
+
 def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str, Any]:
     """The non-streamed response equivalent to chat.completion.chunk / completions chunks."""
     out: dict[str, Any] = {"object": "chat.completion" if api == "chat" else "text_completion"}
@@ -65,6 +70,7 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
                 st = states[idx] = {
                     "text": [],
                     "refusal": [],
+                    "reasoning": {},  # field name -> parts: vLLM's reasoning parsers stream it beside content
                     "role": None,
                     "tools": {},
                     "ids": None,
@@ -82,6 +88,9 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
                     st["text"].append(delta["content"])
                 if delta.get("refusal"):  # a refusal streams in its own deltas, never in content
                     st["refusal"].append(delta["refusal"])
+                for key in _REASONING_KEYS:  # the thinking a reasoning parser splits off, under either name
+                    if isinstance(delta.get(key), str) and delta[key]:
+                        st["reasoning"].setdefault(key, []).append(delta[key])
                 for tc in delta.get("tool_calls") or ():
                     t = st["tools"].setdefault(tc.get("index", 0), {"id": None, "type": "function", "n": [], "a": []})
                     if tc.get("id"):
@@ -117,6 +126,8 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
             msg: dict[str, Any] = {"role": st["role"] or "assistant", "content": "".join(st["text"]) or None}
             if st["refusal"]:
                 msg["refusal"] = "".join(st["refusal"])
+            for key, parts in st["reasoning"].items():
+                msg[key] = "".join(parts)
             if st["tools"]:
                 msg["tool_calls"] = [
                     {
