@@ -118,6 +118,8 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
                     cur["tokens"].extend(lp.get("tokens") or ())
             if c.get("finish_reason") is not None:
                 st["fr"] = c["finish_reason"]
+            if c.get("stop_reason") is not None:  # vLLM: the stop string or token id that ended the choice
+                st["stop"] = c["stop_reason"]
     choices = []
     for idx in sorted(states):
         st = states[idx]
@@ -141,6 +143,8 @@ def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str
         else:
             choice["text"] = "".join(st["text"])
         choice["finish_reason"] = st["fr"]
+        if st.get("stop") is not None:
+            choice["stop_reason"] = st["stop"]
         if st["prompt"] is not None:
             choice["prompt_token_ids"] = st["prompt"]
         if st["ids"] is not None:

@@ -1,7 +1,7 @@
 """Chat streams from a vLLM server with a reasoning parser: the model's thinking streams in its own delta field
 (``reasoning_content`` in older releases, ``reasoning`` in newer ones) before the answer's content. The landed
 response keeps it under the name the server used, and the completion's ids and logprobs cover thinking and
-answer alike, as the engine sampled them."""
+answer alike, as the engine sampled them. The ``stop_reason`` vLLM streams with the last chunk is kept too."""
 
 from __future__ import annotations
 
@@ -47,3 +47,17 @@ def test_the_thinking_is_queryable_in_sql(tmp_path: Path) -> None:
     lake = cx.land_frames(tmp_path, frames, [{"rollout_id": "r0", "reward": 1.0}])
     sql = "select response->>'$.choices[0].message.reasoning' as thinking from model_calls"
     assert run_sql(lake, sql).to_pylist() == [{"thinking": "Two plus two is four."}]
+
+
+def test_the_stop_reason_vllm_streams_with_the_last_chunk_is_kept(tmp_path: Path) -> None:
+    """vLLM names what ended a choice (a stop string, or a stop token's id) in ``stop_reason``."""
+    events = [
+        _chunk([_c(0, {"role": "assistant", "content": "4"}, [70], [-0.05])], prompt_token_ids=PROMPT),
+        _chunk([_c(0, {}, finish_reason="stop", stop_reason="</answer>")]),
+        "[DONE]",
+    ]
+    frames = [cx.record("chat", REQUEST, cx.sse(events, named=False), stream=True, seq=0, call_id="c-s")]
+    lake = cx.land_frames(tmp_path, frames)
+    (row,) = cx.calls(lake)
+    choice = json.loads(row["response"])["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "</answer>")
