@@ -171,7 +171,8 @@ def test_sampling_the_engine_cannot_honour_is_a_400_not_silently_ignored(
 
 def test_neutral_values_of_unsupported_sampling_fields_are_accepted(server: Any) -> None:
     neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 1.5}
-    r = post(server, "chat", {"messages": MSGS, "max_tokens": 2, **neutral})
+    # min_tokens: sampled at temperature 1, end-of-turn could otherwise come first and end the answer at one token
+    r = post(server, "chat", {"messages": MSGS, "max_tokens": 2, "min_tokens": 2, **neutral})
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
     r = post(server, "responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "text"}}})
     assert r.status_code == 200 and r.json()["text"] == {"format": {"type": "text"}}, r.text

@@ -52,7 +52,9 @@ def test_a_body_over_the_size_limit_is_a_413_in_each_apis_shape_before_it_is_rea
 
     r = httpx.post(f"{url}/v1/chat/completions", content=chunks(), timeout=30)
     assert r.status_code == 413 and "over this server's limit" in r.json()["error"]["message"], r.text
-    ok = httpx.post(f"{url}/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, timeout=30)
+    ok = httpx.post(  # ignore_eos: end-of-turn drawn first would end the answer early
+        f"{url}/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "ignore_eos": True}, timeout=30
+    )
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
 
 
@@ -342,7 +344,11 @@ def test_streams_whose_clients_hang_up_free_their_rows_in_every_api(policy_dir: 
             assert time.monotonic() < deadline, health
             time.sleep(0.05)
         assert health["stats"]["tokens"] < 25 * 3000 // 2  # nobody's rows ran on to max_tokens
-        after = httpx.post(f"{handle.url}/v1/chat/completions", json={"messages": MSGS, "max_tokens": 3}, timeout=30)
+        after = httpx.post(  # ignore_eos: end-of-turn drawn first would end the answer early
+            f"{handle.url}/v1/chat/completions",
+            json={"messages": MSGS, "max_tokens": 3, "ignore_eos": True},
+            timeout=30,
+        )
         assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) == 3
     finally:
         handle.stop()
