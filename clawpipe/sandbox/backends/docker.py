@@ -243,17 +243,20 @@ class DockerBackend:
         holder = container = route = None
         try:
             try:
-                holder = self.client.containers.run(
+                # created, then started: the SDK's run() creates and starts in one call and, when the start
+                # fails (the engine under load: "cannot start a stopped process"), raises without handing back
+                # the container it created, which then outlives the rollout
+                holder = self.client.containers.create(
                     self.image,
                     ["/usr/bin/sleep", "infinity"],
                     name=f"cp-hold{suffix}",
-                    detach=True,
                     network_mode="none",
                     volumes={"/usr": {"bind": "/usr", "mode": "ro"}},
                     mem_limit="16m",
                     pids_limit=4,
                     **self._common(job),
                 )
+                holder.start()
                 holder.reload()
                 pid = int(holder.attrs["State"]["Pid"])
                 if not pid:
