@@ -10,7 +10,7 @@ import pytest
 
 from clawpipe import schemas, tables
 from clawpipe.tables import LakeFS
-from tests.lake.test_exhaustion import fill, small_disk
+from tests.support.disk import fill, small_disk
 
 
 def _rows(n: int, fill_text: str = "x") -> pa.Table:

@@ -4,11 +4,9 @@ manifest, and a rerun after space is freed lands every call exactly once."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,30 +16,11 @@ from clawpipe.errors import CaptureError, LakeError
 from clawpipe.lake import compact, land, manifest, run_audits, run_sql
 from clawpipe.tables import LakeFS
 from tests.lake import fixtures as fx
+from tests.support.disk import fill, small_disk
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
 N_SEGMENTS, PER_SEGMENT = 6, 30
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, kib: int) -> Iterator[Path]:
-    """A tmpfs of ``kib`` KiB mounted at ``path`` (unmounted afterwards)."""
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(directory: Path, leave: int) -> Path:
-    """A file taking all but ``leave`` bytes of the filesystem's free space."""
-    st = os.statvfs(directory)
-    filler = directory / "filler"
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
-    return filler
 
 
 def captures(cap: Path) -> int:

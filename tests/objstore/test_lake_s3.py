@@ -23,17 +23,9 @@ from clawpipe.lake.lease import Lease
 from clawpipe.proxy.upload import Uploader
 from clawpipe.tables import LakeFS
 from tests.lake import fixtures as fx
+from tests.objstore.captures import write_captures
 
 pytestmark = pytest.mark.slow
-
-
-def _captures(tmp_path: Path, segments: int, per_segment: int) -> tuple[Path, int]:
-    cap = tmp_path / "cap"
-    for s in range(segments):
-        frames = [fx.record(call_id=f"c{s}-{i}", rollout_id=f"r{s}", seq=i) for i in range(per_segment)]
-        fx.write_segment(cap / f"p{s}-{s:06d}.seg", frames)
-    fx.write_results(cap, [fx.rollout_row(f"r{s}") for s in range(segments)])
-    return cap, segments * per_segment
 
 
 def _upload(cap: Path, bucket: str, host: str = "h1") -> str:
@@ -75,7 +67,7 @@ def test_conditional_create_has_one_winner(s3_bucket: str) -> None:
 
 def test_land_twice_from_the_bucket(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
-    cap, n = _captures(tmp_path, 3, 20)
+    cap, n = write_captures(tmp_path, 3, 20)
     url = _upload(cap, s3_bucket)
     lake = f"{s3_bucket}/lake"
     first = land(url, lake, batch_bytes=4096)
@@ -99,7 +91,7 @@ def test_the_reconstruct_cache_key_sees_a_bucket_lake(
     monkeypatch.setenv("CLAWPIPE_LAKE_URI", f"{s3_bucket}/lake")
     settings = Settings()
     assert landed_fingerprint(settings, "run1", 0) == ""
-    cap, _ = _captures(tmp_path, 2, 5)
+    cap, _ = write_captures(tmp_path, 2, 5)
     land(_upload(cap, s3_bucket), settings.lake_dir)
     first = landed_fingerprint(settings, "run1", 0)
     assert first.count(".parquet:") >= 2  # model_calls and rollouts, each with its size
@@ -117,7 +109,7 @@ def test_clawpipe_land_takes_a_bucket_url(s3_bucket: str, tmp_path: Path, monkey
     from clawpipe.cli import app
 
     monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
-    cap, n = _captures(tmp_path, 2, 5)
+    cap, n = write_captures(tmp_path, 2, 5)
     url = _upload(cap, s3_bucket)
     lake = f"{s3_bucket}/lake"
     out = CliRunner().invoke(app, ["land", "--captures", url, "--lake", lake])
@@ -126,7 +118,7 @@ def test_clawpipe_land_takes_a_bucket_url(s3_bucket: str, tmp_path: Path, monkey
 
 
 def test_two_processes_land_at_once(s3_bucket: str, tmp_path: Path) -> None:
-    cap, n = _captures(tmp_path, 4, 40)
+    cap, n = write_captures(tmp_path, 4, 40)
     url = _upload(cap, s3_bucket)
     lake = f"{s3_bucket}/lake"
     env = {**os.environ}
@@ -146,7 +138,7 @@ def test_two_processes_land_at_once(s3_bucket: str, tmp_path: Path) -> None:
 def test_killed_landing_then_land_again(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CLAWPIPE_LAKE_LEASE_TTL", "2")
-    cap, n = _captures(tmp_path, 3, 30)
+    cap, n = write_captures(tmp_path, 3, 30)
     url = _upload(cap, s3_bucket)
     lake = f"{s3_bucket}/lake"
     env = {**os.environ, "CLAWPIPE_LAKE_CRASH_BEFORE_COMMIT": "2"}

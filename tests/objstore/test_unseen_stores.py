@@ -16,7 +16,7 @@ from clawpipe.errors import LakeError
 from clawpipe.lake import land, run_sql
 from clawpipe.proxy.upload import Uploader
 from clawpipe.tables import LakeFS
-from tests.lake import fixtures as fx
+from tests.objstore.captures import write_captures
 from tests.support.s3_faults import FaultyS3
 
 pytestmark = pytest.mark.slow
@@ -38,20 +38,11 @@ def _faulty(s3_server: str, monkeypatch: pytest.MonkeyPatch, **kw: tuple[str, ..
             s3fs.S3FileSystem.clear_instance_cache()
 
 
-def _captures(tmp_path: Path, rollouts: int, per_rollout: int) -> tuple[Path, int]:
-    cap = tmp_path / "cap"
-    for r in range(rollouts):
-        frames = [fx.record(call_id=f"c{r}-{i}", rollout_id=f"r{r}", seq=i) for i in range(per_rollout)]
-        fx.write_segment(cap / f"p{r}-{r:06d}.seg", frames)
-    fx.write_results(cap, [fx.rollout_row(f"r{r}") for r in range(rollouts)])
-    return cap, rollouts * per_rollout
-
-
 def test_a_store_that_ignores_if_none_match_is_refused_before_a_commit(
     s3_bucket: str, s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
-    cap, _n = _captures(tmp_path, 2, 5)
+    cap, _n = write_captures(tmp_path, 2, 5)
     with _faulty(s3_server, monkeypatch, drop=("if-none-match",)) as store:
         lake = LakeFS(f"{s3_bucket}/lake")
         with pytest.raises(LakeError, match="does not support conditional writes") as err:
@@ -86,7 +77,7 @@ def test_a_store_shedding_load_with_slow_down_still_lands_every_call_once(
     s3_bucket: str, s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
-    cap, n = _captures(tmp_path, 3, 10)
+    cap, n = write_captures(tmp_path, 3, 10)
     with _faulty(s3_server, monkeypatch) as store:
         url = objstore.captures_url(f"{s3_bucket}/lake")
         store.slow_down.update(PUT=2)

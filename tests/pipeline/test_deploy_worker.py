@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from clawpipe.net import free_port
-from tests.support.prefect_server import spawn, start_server, wait_until_healthy
+from tests.support.prefect_server import server_env, spawn, start_server, wait_until_healthy
 
 pytestmark = [pytest.mark.slow]
 
@@ -36,17 +36,7 @@ def test_deployment_run_is_completed_by_a_worker(tmp_path: Path) -> None:
     home = tmp_path / "home"
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env.update(
-        {
-            "CLAWPIPE_HOME": str(home),
-            "PREFECT_HOME": str(tmp_path / "prefect"),
-            "PREFECT_API_URL": api,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "true",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    env = server_env(tmp_path, api)
     server = start_server(port, env, tmp_path / "server.log")
     worker = None
     try:

@@ -20,7 +20,7 @@ import pytest
 
 from clawpipe.net import free_port
 from clawpipe.pipeline.state import run_lock
-from tests.support.prefect_server import spawn, start_server, wait_until_healthy
+from tests.support.prefect_server import server_env, spawn, start_server, wait_until_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
@@ -39,21 +39,6 @@ backend = "bwrap"
 name = "chat-loop"
 task_set = "guess"
 """
-
-
-def _env(tmp_path: Path, api: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CLAWPIPE_"))}
-    env.update(
-        {
-            "CLAWPIPE_HOME": str(tmp_path / "home"),
-            "PREFECT_HOME": str(tmp_path / "prefect"),
-            "PREFECT_API_URL": api,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "true",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return env
 
 
 def _children(pid: int) -> list[int]:
@@ -122,7 +107,7 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(tm
     # before: nothing acted on the Cancelling state; the run went on to its end (Completed over the cancel)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = _env(tmp_path, api)
+    env = server_env(tmp_path, api)
     home = Path(env["CLAWPIPE_HOME"])
     server = start_server(port, env, tmp_path / "server.log")
     run = None

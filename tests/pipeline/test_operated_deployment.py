@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from clawpipe.net import free_port
-from tests.support.prefect_server import spawn, start_server, wait_until_healthy
+from tests.support.prefect_server import server_env, spawn, start_server, wait_until_healthy
 
 pytestmark = [pytest.mark.slow]
 
@@ -94,17 +94,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     tmp = tmp_path_factory.mktemp("deployed")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CLAWPIPE_"))}
-    env.update(
-        {
-            "CLAWPIPE_HOME": str(tmp / "home"),
-            "PREFECT_HOME": str(tmp / "prefect"),
-            "PREFECT_API_URL": api,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "true",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    env = server_env(tmp, api)
     server = start_server(port, env, tmp / "server.log")
     try:
         wait_until_healthy(api, server, tmp / "server.log")
@@ -188,6 +178,14 @@ def _completed(home: Path) -> list[Path]:
     return [p for p in home.glob("runs/*/state.json") if json.loads(p.read_text())["completed"]]
 
 
+def _await_an_iteration(deployed: Deployed, run_name: str, flow_run_id: str, worker: subprocess.Popen[bytes]) -> None:
+    """Until the worker's run of ``run_name`` has completed an iteration (at most 300 s, the worker alive)."""
+    deadline = time.monotonic() + 300
+    while not [p for p in _completed(deployed.home) if p.parent.name.startswith(f"{run_name}-")]:
+        assert time.monotonic() < deadline and worker.poll() is None, deployed.state(flow_run_id)
+        time.sleep(0.2)
+
+
 def test_a_flow_run_retried_after_its_worker_was_killed_resumes_its_run(deployed: Deployed) -> None:
     # before: the retried flow run started a new run from the initial policy, the first one left half done
     import mlflow
@@ -200,10 +198,7 @@ def test_a_flow_run_retried_after_its_worker_was_killed_resumes_its_run(deployed
     flow_run_id = created.json()["id"]
     worker = deployed.start_worker("killed-worker")
     try:
-        deadline = time.monotonic() + 300
-        while not [p for p in _completed(deployed.home) if p.parent.name.startswith("retried-")]:
-            assert time.monotonic() < deadline and worker.poll() is None, deployed.state(flow_run_id)
-            time.sleep(0.2)
+        _await_an_iteration(deployed, "retried", flow_run_id, worker)
         for pid in [worker.pid, *_descendants(worker.pid)]:  # the host went: worker and flow process alike
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -243,10 +238,7 @@ def test_a_deployment_run_cancelled_in_the_ui_stops_on_its_worker(deployed: Depl
     flow_run_id = created.json()["id"]
     worker = deployed.start_worker("cancel-worker")
     try:
-        deadline = time.monotonic() + 300
-        while not [p for p in _completed(deployed.home) if p.parent.name.startswith("cancelled-")]:
-            assert time.monotonic() < deadline and worker.poll() is None, deployed.state(flow_run_id)
-            time.sleep(0.2)
+        _await_an_iteration(deployed, "cancelled", flow_run_id, worker)
         # the flow run's processes: everything under the worker but the Prefect worker process itself
         flow_procs = [p for p in _descendants(worker.pid) if b"worker\0start" not in _cmdline(p)]
         cancel = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}

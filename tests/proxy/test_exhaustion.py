@@ -7,11 +7,9 @@ and the health endpoint says when it is failing; landing afterwards gets every a
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,31 +18,12 @@ import pytest
 from clawpipe import capture
 from clawpipe.lake import land, run_sql
 from tests.proxy.conftest import ADMIN, ProxyHandle, read_captures
+from tests.support.disk import fill, small_disk
 from tests.support.upstream import ScriptedUpstream, say
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
 AUTH = {"authorization": f"Bearer {ADMIN}"}
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, kib: int) -> Iterator[Path]:
-    """A tmpfs of ``kib`` KiB mounted at ``path`` (unmounted afterwards)."""
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(directory: Path, leave: int) -> Path:
-    """A file taking all but ``leave`` bytes of the filesystem's free space."""
-    st = os.statvfs(directory)
-    filler = directory / "filler"
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
-    return filler
 
 
 def chat(content: str, stream: bool = False) -> dict[str, object]:

@@ -93,6 +93,15 @@ def raw_call(port: int, content: str) -> bytes:
 
 
 @pytest.mark.slow
+def _shut(socks: list[socket.socket], proc: subprocess.Popen[bytes], up: ScriptedUpstream) -> None:
+    """Close the test's connections, stop the proxy (its last segment sealed) and the upstream."""
+    for s in socks:
+        s.close()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    up.stop()
+
+
 def test_a_proxy_out_of_descriptors_refuses_clearly_keeps_serving_and_captures_calls_once(tmp_path: Path) -> None:
     up = ScriptedUpstream(default=say("fine"), delay_s=3.0).start()
     cap = tmp_path / "cap"
@@ -165,11 +174,7 @@ def test_a_proxy_out_of_descriptors_refuses_clearly_keeps_serving_and_captures_c
         (rep,) = replicas["replicas"]
         assert rep["state"] == "up" and rep["errors"] == 0  # the proxy's own shortage is not the upstream's
     finally:
-        for s in idle:
-            s.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        up.stop()
+        _shut(idle, proc, up)
     lake = tmp_path / "lake"
     land(cap, lake)
     rows = run_sql(lake, "select http_status, count(*) as n, count(distinct call_id) as d from model_calls group by 1")
@@ -232,11 +237,7 @@ def test_clawpipe_proxy_fits_its_connection_cap_to_its_descriptor_limit_and_answ
         answers = [read_all(s).decode(errors="replace") for s in conns[:16]]
         assert all(a.startswith("HTTP/1.1 200") for a in answers), [a[:120] for a in answers if "200" not in a[:20]]
     finally:
-        for s in conns:
-            s.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        up.stop()
+        _shut(conns, proc, up)
     log = (tmp_path / "ready.log").read_text()
     assert "descriptor limit 96 holds fewer connections than asked: at most 16 client connections" in log
     lake = tmp_path / "lake"

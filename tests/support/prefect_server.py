@@ -4,12 +4,31 @@ its output in a log, and waited for until its API answers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+
+def server_env(root: Path, api: str) -> dict[str, str]:
+    """The environment of a Prefect server, and of the clawpipe commands that use it, for one test under
+    ``root``: this process's variables without its Prefect, MLflow and clawpipe settings, a home and a Prefect
+    home of the test's own, the API at ``api``, no telemetry, unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CLAWPIPE_"))}
+    env.update(
+        {
+            "CLAWPIPE_HOME": str(root / "home"),
+            "PREFECT_HOME": str(root / "prefect"),
+            "PREFECT_API_URL": api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "true",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
 
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
