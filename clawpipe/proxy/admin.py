@@ -1,9 +1,14 @@
 """Admin endpoints of the proxy (``/admin/...``), all behind ``Authorization: Bearer <admin token>``.
 
-``GET /admin/health``, ``GET /admin/stats``, ``POST /admin/pause`` (``{"wait_s": s}``: new calls wait,
-returns once in-flight calls drained), ``POST /admin/resume`` (``{"policy_version": n}`` optional),
+``GET /admin/health``, ``GET /admin/ready``, ``GET /admin/stats``, ``POST /admin/pause`` (``{"wait_s": s}``:
+new calls wait, returns once in-flight calls drained), ``POST /admin/resume`` (``{"policy_version": n}`` optional),
 ``GET|POST /admin/policy_version`` (``{"policy_version": n}``). ``policy_version`` is an integer in
 [0, 2**31 - 1], ``wait_s`` a number of seconds in [0, 3600]; anything else is a 400 that changes nothing.
+
+``/admin/health`` answers 200 while the proxy runs (liveness: its body says ``capture_failing``);
+``/admin/ready`` is the readiness probe a load balancer in front of several proxies polls: 503 while calls
+cannot be captured or no upstream is up (such a proxy would answer every call with a 507 or a 502), 200
+otherwise, with the reasons in the body either way.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class AdminTarget(Protocol):
     def is_admin(self, authorization: bytes) -> bool: ...
 
     def health(self) -> dict[str, Any]: ...
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]: ...
 
     def snapshot_stats(self) -> dict[str, Any]: ...
 
@@ -61,6 +68,9 @@ async def handle_admin(proxy: AdminTarget, conn: ClientConn, req: wire.Request) 
     status, out = 200, None
     if path == "/admin/health" and method == "GET":
         out = proxy.health()
+    elif path == "/admin/ready" and method == "GET":
+        ready, out = proxy.readiness()
+        status = 200 if ready else 503
     elif path == "/admin/stats" and method == "GET":
         out = proxy.snapshot_stats()
     elif path == "/admin/pause" and method == "POST":

@@ -331,6 +331,18 @@ class ProxyServer:
             "instance": self.instance,
         }
 
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Whether a call sent now can be captured and forwarded: capture writes succeed and at least one
+        upstream is not backing off after failures; ``reasons`` names what is not."""
+        capture = self.writer.health()
+        states = {r.url: self.replicas.state(r) for r in self.replicas}
+        reasons = []
+        if not capture["ok"]:
+            reasons.append(f"capture failing: {capture.get('error')}")
+        if states and "up" not in states.values():
+            reasons.append("every upstream is down (backing off after failed calls): " + ", ".join(states))
+        return not reasons, {"ready": not reasons, "reasons": reasons, "upstreams": states}
+
     async def pause_calls(self, wait_s: float) -> dict[str, Any]:
         """New calls wait at the gate; returns once in-flight calls drained (or ``wait_s`` passed)."""
         self.paused = True

@@ -181,3 +181,26 @@ def test_admin_tokens_and_key_macs_are_compared_in_constant_time(proxy: ProxyHan
     seen.clear()
     r = httpx.post(f"{proxy.openai_base('fresh-key')}/chat/completions", json={"model": "m", "messages": []})
     assert r.status_code == 200 and seen  # the key's MAC
+
+
+def test_ready_is_the_probe_a_load_balancer_polls(make_proxy, upstream: ScriptedUpstream):
+    """Readiness is 200 while calls can be captured and forwarded, 503 naming why once every upstream is down
+    (health, the liveness probe, stays 200); it needs the admin token like every admin endpoint."""
+    from clawpipe.net import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    good = make_proxy([upstream.url])
+    r = httpx.get(f"{good.url}/admin/ready", headers=AUTH)
+    assert r.status_code == 200 and r.json()["ready"] is True and r.json()["upstreams"] == {upstream.url: "up"}
+    assert httpx.get(f"{good.url}/admin/ready").status_code == 401
+
+    proxy = make_proxy([dead], replica_backoff_s=60.0)
+    assert httpx.get(f"{proxy.url}/admin/ready", headers=AUTH).status_code == 200  # nothing failed yet
+    call = httpx.post(f"{proxy.openai_base('r1')}/chat/completions", json={"model": "m", "messages": []}, timeout=10)
+    assert call.status_code == 502
+    r = httpx.get(f"{proxy.url}/admin/ready", headers=AUTH)
+    assert r.status_code == 503
+    body = r.json()
+    assert body["ready"] is False and body["upstreams"] == {dead: "down"}
+    assert any("every upstream is down" in reason for reason in body["reasons"])
+    assert httpx.get(f"{proxy.url}/admin/health", headers=AUTH).status_code == 200

@@ -88,12 +88,15 @@ def test_a_full_capture_disk_fails_calls_clearly_and_capture_resumes_once_space_
                 h = health(proxy)
                 assert h["status"] == "capture_failing"
                 assert "No space left on device" in str(h["capture"]["error"])  # type: ignore[index]
+                ready = httpx.get(f"{proxy.url}/admin/ready", headers=AUTH)  # a load balancer takes it out
+                assert ready.status_code == 503 and "capture failing" in ready.json()["reasons"][0]
                 # every record on the full disk is intact (read_captures fails on a damaged frame)
                 assert sorted(_contents(proxy.records())) == sorted(answered)
 
                 filler.unlink()  # space is freed: capture resumes with no restart and no call needed
                 h = wait_healthy(proxy)
                 assert h["status"] == "ok" and h["capture"]["ok"] is True  # type: ignore[index]
+                assert httpx.get(f"{proxy.url}/admin/ready", headers=AUTH).status_code == 200
                 for i in range(24, 28):
                     status, _ = call(client, base, f"call {i}", stream=i % 2 == 1)
                     assert status == 200
