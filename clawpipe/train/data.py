@@ -116,16 +116,32 @@ class NodeLayout:
     count: dict[int, int]
     parent: dict[int, int]  # -1 for children of the (empty) root
 
-    def path(self, node_id: int) -> np.ndarray | None:
-        """Packed positions of the root-to-node path ending with node ``node_id`` (None for an unknown node)."""
-        spans: list[np.ndarray] = []
-        v = node_id
-        while v >= 0:
-            if v not in self.first:
-                return None
-            spans.append(np.arange(self.first[v], self.first[v] + self.count[v], dtype=np.int64))
-            v = self.parent[v]
-        return np.concatenate(spans[::-1]) if spans else np.zeros(0, dtype=np.int64)
+    def paths(self, node_ids: Iterable[int]) -> dict[int, np.ndarray]:
+        """Packed positions of the root-to-node path of each known node in ``node_ids`` (unknown ones left out).
+
+        One walk down the tree writes each node's positions at its depths into one buffer, so a path is a copy
+        of the buffer's head when the walk reaches its node: the paths cost their own length plus one visit per
+        node. (Walking up from each call's node to the root cost calls x nodes on the path: a rollout of n turns
+        is a chain of about n nodes, so n^2 steps.) Arrays of one node are shared and read-only."""
+        wanted = {v for v in node_ids if v in self.first}
+        out: dict[int, np.ndarray] = {}
+        if not wanted:
+            return out
+        kids: dict[int, list[int]] = {}
+        for v, p in self.parent.items():
+            kids.setdefault(p, []).append(v)
+        buf = np.empty(sum(self.count.values()), dtype=np.int64)
+        stack = [(v, 0) for v in kids.get(-1, ())]
+        while stack:
+            v, d = stack.pop()
+            first, n = self.first[v], self.count[v]
+            buf[d : d + n] = np.arange(first, first + n)
+            if v in wanted:
+                path = buf[: d + n].copy()
+                path.flags.writeable = False
+                out[v] = path
+            stack.extend((c, d + n) for c in kids.get(v, ()))
+        return out
 
 
 def flatten_nodes(
@@ -186,9 +202,11 @@ def attach_sequences(tree: TrainTree, layout: NodeLayout, links: Iterable[dict],
     prompt and completion (trees rebuilt from other calls since) is counted as ``calls_link_mismatch`` and
     left out, never trained on other tokens.
     """
+    links = list(links)
+    paths = layout.paths(int(c["node_id"]) for c in links)
     for c in links:
         n_prompt, n_completion = int(c["n_prompt"] or 0), int(c["n_completion"] or 0)
-        positions = layout.path(int(c["node_id"]))
+        positions = paths.get(int(c["node_id"]))
         if positions is None or len(positions) != n_prompt + n_completion:
             stats["calls_link_mismatch"] = stats.get("calls_link_mismatch", 0) + 1
             log.warning(

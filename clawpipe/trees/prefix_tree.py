@@ -149,7 +149,6 @@ def build_tree(
     ``rollout_trees`` maps each rollout code to the tree of that rollout's sequences (in their order here);
     the ones missing are built.
     """
-    n_s = len(seqs.keys)
     start, end, parent, first, end_node, sorted_keys = _build_radix(seqs.keys)
     gen, n_gen = _split_generated(seqs, start, end, parent, first, end_node)
 
@@ -182,14 +181,13 @@ def build_tree(
         group_labels(seqs, starts.tolist(), cause, cause_seq, drift_seq, _rollout_trees(seqs, rollout_trees or {}))
     drift_affected = 0
     if (cause == DRIFT).any():
-        drift_nodes = set(np.flatnonzero(cause == DRIFT).tolist())
-        for j in range(n_s):
-            v = en_l[j]
-            while v >= 0:
-                if v in drift_nodes:
-                    drift_affected += 1
-                    break
-                v = par_l[v]
+        # below a drift node, parent-first (preorder): one pass over the nodes, not a walk to the root per
+        # sequence (sequences x depth: a long rollout drifting early is a chain of every later call)
+        below = (cause == DRIFT).tolist()
+        for v, p in enumerate(par_l):
+            if p >= 0 and below[p]:
+                below[v] = True
+        drift_affected = sum(below[v] for v in en_l)
     if len(codes) == 1:
         rollouts = [codes] * n
         leaf_rollouts = [codes if leaf_mask[v] else [] for v in range(n)]
