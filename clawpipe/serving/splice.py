@@ -226,10 +226,10 @@ def render_open(
     found = dict(found)
     if ending == "continue" and last in found and not _spells(tokenizer, found[last], messages[last]["content"]):
         del found[last]
-    nonce = secrets.token_hex(8)
-    marks = {i: f"\u27e6clawpipe-turn-{nonce}-{i}\u27e7" for i in found}
+    lead = f"\u27e6clawpipe-turn-{secrets.token_hex(8)}-"  # what every placeholder of this render starts with
+    marks = {i: f"{lead}{i}\u27e7" for i in found}
     if ending == "continue":
-        marks.setdefault(last, f"\u27e6clawpipe-turn-{nonce}-{last}\u27e7")
+        marks.setdefault(last, f"{lead}{last}\u27e7")
     staged = []
     for i, m in enumerate(messages):
         if i in marks:
@@ -245,25 +245,19 @@ def render_open(
             continue_final_message=ending == "continue",
         )
     )
-    pieces: list[str] = []
-    rest = text
-    for i in sorted(marks):
-        before, sep, after = rest.partition(marks[i])
-        if not sep or marks[i] in after:
-            log.debug("chat template did not render turn %d's placeholder once; not splicing", i)
-            return None
-        pieces.append(before)
-        rest = after
-    if ending == "continue" and rest:
+    order = sorted(marks)
+    pieces = _cut(text, [marks[i] for i in order], lead)
+    if pieces is None:
+        return None
+    if ending == "continue" and pieces[-1]:
         log.debug("chat template rendered text after the open final turn; not splicing")
         return None
-    pieces.append(rest)
     ids: list[int] = []
     spliced = turns = 0
     prefill_ids: int | None = None
     for k, piece in enumerate(pieces):
         if k > 0:
-            i = sorted(marks)[k - 1]
+            i = order[k - 1]
             turn = found.get(i)
             if turn is None:  # the open final turn's text, encoded on its own
                 turn = encode_prefill(tokenizer, messages[i]["content"])
@@ -282,6 +276,29 @@ def render_open(
     got = Prompt(ids, spliced, prefill=prefill, prefill_ids=prefill_ids)
     got.spliced_turns = turns
     return got
+
+
+def _cut(text: str, marks: list[str], lead: str) -> list[str] | None:
+    """The text around the placeholders (``marks``, in the order they must appear; each starts with ``lead``), or
+    None unless each appears exactly once, in that order.
+
+    One pass finds them in order and one counts ``lead``: a history of n turns is cut in time linear in its
+    text. (Cutting the rest of the text at each placeholder and searching the rest again for a second copy
+    scanned and copied the text once per turn: n turns x the text, the square of the turns.)"""
+    pieces: list[str] = []
+    pos = 0
+    for k, mark in enumerate(marks):
+        at = text.find(mark, pos)
+        if at < 0:
+            log.debug("chat template did not render placeholder %d of %d in order; not splicing", k + 1, len(marks))
+            return None
+        pieces.append(text[pos:at])
+        pos = at + len(mark)
+    if text.count(lead) != len(marks):
+        log.debug("chat template rendered a turn's placeholder more than once; not splicing")
+        return None
+    pieces.append(text[pos:])
+    return pieces
 
 
 def encode_prefill(tokenizer: Any, text: str) -> list[int]:
