@@ -4,6 +4,7 @@
     tracker.start_run("run-1")                 # or attach: start_run(mlflow_run_id=...)
     tracker.log_params(config.flat_params())   # whole config, flattened; unchanged params are not re-sent
     tracker.log_metrics({"train/loss/total": 0.1, ...}, step=3)   # one batched call per step
+    tracker.log_text(toml_text, "config.toml")                   # an artifact of the run
     tracker.end()
 
 :class:`NullTracker` has the same methods and does nothing, so callers never need an ``if``. The tracking
@@ -53,6 +54,7 @@ class Tracker(Protocol):
     ) -> str | None: ...
     def log_params(self, params: Mapping[str, Any]) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
     def mark_running(self) -> None: ...
     def end(self, status: str = "FINISHED") -> None: ...
 
@@ -71,6 +73,9 @@ class NullTracker:
         return None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        return None
+
+    def log_text(self, text: str, artifact_file: str) -> None:
         return None
 
     def mark_running(self) -> None:
@@ -211,9 +216,11 @@ class MlflowTracker:
                 else:
                     self._latest_step = {m.key: int(m.step) for m in latest}
             return mlflow_run_id
+        # a tag MLflow refuses would refuse the whole run: names and values are made acceptable, as params are
+        safe_tags = {tracking_name(k): param_value(v) for k, v in (tags or {}).items()}
         run = self._call(
             "create a run",
-            lambda: self.client.create_run(self._experiment_id(), run_name=run_name, tags=dict(tags or {})),
+            lambda: self.client.create_run(self._experiment_id(), run_name=run_name, tags=safe_tags),
         )
         self.run_id = None if run is None else run.info.run_id
         return self.run_id
@@ -290,6 +297,15 @@ class MlflowTracker:
         history = self._call("read metric history", lambda: self.client.get_metric_history(run_id, key))
         self._steps[key] = {int(m.step) for m in history or []}
         return step in self._steps[key]
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Store ``text`` as the run's artifact ``artifact_file`` (e.g. ``config.toml``); dropped, like any
+        call, when the store is away."""
+        run_id = self.run_id
+        if run_id is not None:
+            self._done(
+                f"log artifact {artifact_file}", functools.partial(self.client.log_text, run_id, text, artifact_file)
+            )
 
     def mark_running(self) -> None:
         """Show the run as RUNNING again (a resumed run whose earlier process ended it KILLED or FAILED)."""

@@ -11,8 +11,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from clawpipe.pipeline.config import PipelineConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -57,6 +61,7 @@ def run(
         cfg = load_config(config, iterations=iterations, backend=backend, mode=mode)
         check_prerequisites(cfg)
         _check_policy(cfg.policy)
+        _warn_changed_since_recorded(config, cfg)
     # the services the flow reports to, now rather than after its policy is built and its rollouts ran
     env = _flows_env()
     _check_prefect_api(env, needed_by=None)
@@ -68,6 +73,22 @@ def run(
         path = write_config(cfg, get_settings().runs_dir / run_id / "config.json")
         cmd += ["--run-id", run_id, "--config-file", str(path)]
     raise typer.Exit(_run_forwarding_signals(cmd, env))
+
+
+def _warn_changed_since_recorded(config: Path | None, cfg: PipelineConfig) -> None:
+    """A config a run recorded (its ``config.toml`` artifact) runs again, with a warning for each harness,
+    task set or policy folder whose content is no longer what that run used: edited on purpose or not, the
+    rerun will differ, and only this line says so before it starts."""
+    from clawpipe.configfile import read_values
+    from clawpipe.pipeline.config import RECORDED_TABLE
+    from clawpipe.pipeline.provenance import changed_since
+
+    if config is None:
+        return
+    recorded = read_values(config, what="config file").get(RECORDED_TABLE)
+    if isinstance(recorded, dict):
+        for message in changed_since(cfg, recorded):
+            typer.secho(f"warning: {message}", err=True, fg="yellow")
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
@@ -161,6 +182,7 @@ def deploy(
     cfg = load_config(config)
     # harnesses and task sets now, not when the schedule first fires; the sandbox tool is the workers' to have
     check_prerequisites(cfg.model_copy(update={"backend": "process"}))
+    _warn_changed_since_recorded(config, cfg)
     env = _flows_env()
     if api_url:
         env["PREFECT_API_URL"] = api_url

@@ -24,6 +24,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would l
 MAX_ROLLOUTS_PER_ITERATION = 100_000
 _WEEK_S = 7 * 24 * 3600.0
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# The table of a run's config.toml artifact that records what the run used (clawpipe/pipeline/provenance.py):
+# not a setting, so loading the file leaves it out, and the file runs again unchanged.
+RECORDED_TABLE = "recorded"
 
 
 class HarnessEntry(BaseModel):
@@ -229,6 +232,8 @@ class PipelineConfig(BaseModel):
 def load_config(path: str | Path | None = None, **overrides: Any) -> PipelineConfig:
     """Load a TOML (or JSON) config, or the defaults, and apply CLI overrides (None values are ignored)."""
     data = read_values(path, what="config file") if path is not None else {}
+    if isinstance(data.get(RECORDED_TABLE), dict):
+        del data[RECORDED_TABLE]
     source = str(path) if path is not None else "defaults"
     data.update({k: v for k, v in overrides.items() if v is not None})
     cfg = validate(PipelineConfig, data, what=f"pipeline config ({source})")

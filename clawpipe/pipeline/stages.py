@@ -20,6 +20,7 @@ from typing import Any
 
 from clawpipe.config import Settings
 from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.pipeline import provenance
 from clawpipe.pipeline.config import PipelineConfig
 from clawpipe.pipeline.services import Services
 from clawpipe.pipeline.state import RunState, new_run_id
@@ -43,7 +44,8 @@ def open_run(
     git_revision: str,
     flow_run_id: str | None = None,
 ) -> RunState:
-    """The run's state: loaded to resume, or new (initial policy built, MLflow run started, config logged).
+    """The run's state: loaded to resume, or new (initial policy built, MLflow run started, config logged as
+    params and as a ``config.toml`` artifact, what the run used beyond its config as tags: see provenance.py).
 
     Either way the prerequisites (harnesses, task sets, sandbox tool) are checked before anything starts.
     A new run records ``flow_run_id``, the Prefect flow run that started it (see state.run_of_flow_run).
@@ -67,16 +69,26 @@ def open_run(
         raise ConfigError(f"run {run_id} exists already; continue it with --resume {run_id}, or start a new run")
     check_prerequisites(cfg)
     run_id = run_id or new_run_id(cfg.run_name)
-    policy_dir = str(ensure_policy(cfg, settings))
-    state = RunState(run_id=run_id, config=cfg.model_dump(), policy_dir=policy_dir, flow_run_id=flow_run_id)
+    policy_dir = ensure_policy(cfg, settings)
+    record, diff = provenance.record(cfg, policy_dir, git_revision)  # hashed once, here, for the whole run
+    state = RunState(
+        run_id=run_id, config=cfg.model_dump(), policy_dir=str(policy_dir), flow_run_id=flow_run_id, provenance=record
+    )
+    config_toml = provenance.config_toml(cfg, record, run_id)
+    (settings.runs_dir / run_id).mkdir(parents=True, exist_ok=True)
+    (settings.runs_dir / run_id / "config.toml").write_text(config_toml)
     tracker = make_tracker(experiment=cfg.experiment)
-    state.mlflow_run_id = tracker.start_run(run_id, tags={"clawpipe.run_id": run_id, "git": git_revision})
+    run_tags = {"clawpipe.run_id": run_id, "git": git_revision, **provenance.tags(record)}
+    state.mlflow_run_id = tracker.start_run(run_id, tags=run_tags)
     # the trainer's settings whole (defaults included, as the trainer logs them): runs of configs that set
     # different train keys still have the same param names, and the same values for the same settings
     train_params = make_train_config(cfg).flat_params()
     tracker.log_params(
         {"run_id": run_id, **cfg.model_dump(exclude={"train"}), "train": train_params, "git_revision": git_revision}
     )
+    tracker.log_text(config_toml, "config.toml")  # `clawpipe run --config` of it runs the same config again
+    if diff and len(diff) <= provenance.MAX_DIFF_BYTES:  # the uncommitted changes the run ran with
+        tracker.log_text(diff, "git.diff")
     state.save(settings.runs_dir)
     return state
 

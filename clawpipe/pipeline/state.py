@@ -1,8 +1,9 @@
 """Run state on disk, so a killed run resumes from its last completed iteration.
 
 ``<home>/runs/<run_id>/state.json`` holds the config, the current policy (directory and version), the
-MLflow run id and one summary per completed iteration. It is rewritten atomically after each iteration,
-after that iteration's lake partitions and checkpoint exist, so it never points at missing data.
+MLflow run id, what the run used (its provenance) and one summary per completed iteration. It is rewritten
+atomically after each iteration, after that iteration's lake partitions and checkpoint exist, so it never
+points at missing data.
 ``<home>/runs/<run_id>/run.lock`` is held (``flock``) by the process running the run, so the same run is
 never driven by two processes at once; the kernel drops it when that process dies, even by SIGKILL.
 """
@@ -34,6 +35,9 @@ class RunState:
     completed: list[dict[str, Any]] = field(default_factory=list)  # one summary per finished iteration
     peak_memory_mb: float = 0.0
     flow_run_id: str | None = None  # the Prefect flow run that started it: a retry of that flow run resumes it
+    # what the run used beyond its config (harness, task set and policy hashes, git, versions), recorded once
+    # at its start (clawpipe/pipeline/provenance.py); kept here too, for a run whose MLflow store was away
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def next_iteration(self) -> int:
