@@ -19,7 +19,8 @@ forward for the next ``SYNC`` whose frame checks out (:func:`scan_frames`): one 
 records in it, never the ones after it. Bytes inside a record are searched for frames only when that
 record is damaged; ``SYNC`` holds bytes that valid UTF-8 (so any JSON body) cannot contain.
 Segments written before format 2 (``CPR1`` frames: magic, length, payload checksum) are still read, with
-the same resynchronisation on their magic.
+the same resynchronisation on their magic. A segment whose first marker names a later framing (``CPR3`` on,
+:func:`later_framing`) is not damage: landing holds it back unlanded for the version that reads it.
 
 Segments are written as ``<name>.open`` and renamed to ``<name>.seg`` when sealed. A torn tail (a crash
 mid-write: an incomplete frame after the last intact one) is a write in progress to readers of an open
@@ -137,6 +138,15 @@ def decode_header(raw: bytes, where: str = "") -> CaptureHeader:
         raise CaptureHeaderError(_header_problem(str(exc), where)) from exc
     except msgspec.DecodeError as exc:
         raise CaptureHeaderError(f"{where}: capture header is not JSON: {exc}" if where else str(exc)) from exc
+
+
+def later_framing(head: bytes) -> str | None:
+    """The frame marker a segment starting with ``head`` (its first 8 bytes) was written in, where that is a later
+    framing than this reader's (``CPR3`` and on, after the same first byte), else None: such a segment is held
+    back unlanded, not read as damage."""
+    if len(head) >= 5 and head[:4] == SYNC[:4] and head[4:5].isdigit() and head[4:5] > SYNC[4:5]:
+        return head[1:5].decode()
+    return None
 
 
 def _header_problem(msg: str, where: str) -> str:

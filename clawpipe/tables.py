@@ -6,6 +6,12 @@ over ``read_parquet(..., hive_partitioning=true, union_by_name=true)``, so no wr
 that blocks them (docs/ARCHITECTURE.md, pitfalls). A table with no files yet gets an empty view with the right columns.
 Writers stage files under a name readers do not match and rename them into place.
 
+Lakes written by other clawpipe versions (README, "Upgrading clawpipe"): a column of the schema that a file
+lacks reads as NULL (or as derived from the column an earlier version wrote in its place, :data:`RENAMED`);
+a column a file has that the schema lacks (written by a later version) is read as it is and kept by every
+rewrite (:func:`keep_unknown_columns`); a lake whose format marker (``_manifest/format.json``) names a
+later :data:`LAKE_FORMAT` is refused by readers and writers alike, naming the version that wrote it.
+
 The lake root is a local path (default) or a filesystem URL: ``file:///abs/path`` or any fsspec URL
 (``memory://lake``, ``s3://bucket/lake`` where s3fs is installed). :class:`LakeFS` hides the difference.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import os
 import posixpath
 import uuid
@@ -25,7 +32,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from clawpipe import objstore, sqlfiles
+from clawpipe import __version__, objstore, sqlfiles
 from clawpipe.errors import LakeError
 from clawpipe.schemas import TABLES
 
@@ -36,6 +43,24 @@ TMP_SUFFIX = ".inprogress"  # staged files end in this, so the views' ``*.parque
 # Columns holding whole documents or token lists: no dictionary, no min/max statistics (both cost more
 # than they give there: writing 150 KB responses with statistics was 3x slower).
 BULK_COLUMNS = frozenset({"request", "response", "tool_calls", "reward_info", "stderr_tail", "record"})
+
+# The lake's layout version. Added columns do not change it (older readers read them as they are); only a
+# change an older clawpipe would misread (partition layout, manifest entries, a column's meaning) does.
+LAKE_FORMAT = 1
+FORMAT_FILE = "_manifest/format.json"  # {"format": N, "written_by": "clawpipe X.Y.Z"}; absent: format 1
+
+# Columns an earlier version wrote in place of today's: {table: {old column: {new column: SQL over the
+# old one}}}. Rows of such files read the new column from the expression; the old column stays readable.
+RENAMED: dict[str, dict[str, dict[str, str]]] = {
+    "tree_stats": {
+        # one count of every call kept out of the trees, since split by kind: 0 splits as 0 and 0; a larger
+        # count cannot be split, so the kinds stay NULL and the old total is still there to read
+        "retokenized_calls": {
+            "kept_out_retokenized": "case when retokenized_calls = 0 then 0 end",
+            "kept_out_no_ids": "case when retokenized_calls = 0 then 0 end",
+        },
+    },
+}
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, object]:
@@ -265,6 +290,7 @@ def connect(
     that DuckDB expands at every query: the connection then needs access to those files and no others.
     """
     lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)
+    check_format(lake)
     con = duckdb.connect()
     if not lake.is_local:
         con.register_filesystem(lake.fsspec)
@@ -274,10 +300,10 @@ def connect(
         con.register(f"_{name}_empty", TABLES[name].empty_table())
         if files is not None and files.get(name):
             _pinned_view(con, name, files[name])
-            _add_missing_columns(con, name)
+            _conform_view(con, name)
         elif files is None and lake.has_parquet(name):
             con.execute(sqlfiles.sql_text(f"views/{name}"))
-            _add_missing_columns(con, name)
+            _conform_view(con, name)
         else:
             con.execute(f"create or replace view {name} as select * from _{name}_empty")
     if tables is None:
@@ -287,22 +313,87 @@ def connect(
     return con
 
 
-def _add_missing_columns(con: duckdb.DuckDBPyConnection, name: str) -> None:
-    """Columns of the schema that no file has yet (files written before a column was added) become typed
-    NULLs, so every query and audit can name every column of ``schemas``."""
+def _conform_view(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    """Make the view over the files read as the schema says (files of every version, one rule).
+
+    Columns of the schema that no file has yet (files written before a column was added) become typed
+    NULLs, so every query and audit can name every column of ``schemas``; columns an earlier version wrote
+    under another name (:data:`RENAMED`) fill the new ones where those are NULL; columns only files have
+    (written by a later version) stay as they are.
+    """
     have = {row[0] for row in con.execute(f"select column_name from (describe {name})").fetchall()}
-    if all(f.name in have for f in TABLES[name]):
+    renamed = {old: news for old, news in RENAMED.get(name, {}).items() if old in have}
+    if all(f.name in have for f in TABLES[name]) and not renamed:
         return
     con.execute(f"alter view {name} rename to _{name}_files")
-    con.execute(f"create view {name} as select * from _{name}_files union all by name select * from _{name}_empty")
+    con.execute(f"create view _{name}_all as select * from _{name}_files union all by name select * from _{name}_empty")
+    if not renamed:
+        con.execute(f"alter view _{name}_all rename to {name}")
+        return
+    types = dict(con.execute(f"select column_name, column_type from (describe _{name}_all)").fetchall())
+    fills: dict[str, list[str]] = {}
+    for news in renamed.values():
+        for new, expr in news.items():
+            fills.setdefault(new, []).append(f"cast({expr} as {types[new]})")
+    replace = ", ".join(f"coalesce({new}, {', '.join(exprs)}) as {new}" for new, exprs in fills.items())
+    con.execute(f"create view {name} as select * replace ({replace}) from _{name}_all")
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """``table`` with ``schema``'s columns, in order and types; columns it lacks (older files) are nulls."""
+    """``table`` with ``schema``'s columns, in order and types; columns it lacks (older files) are nulls.
+
+    Pass a schema from :func:`keep_unknown_columns` to keep the columns a later version added."""
     for f in schema:
         if f.name not in table.column_names:
             table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
     return table.select(schema.names).cast(schema)
+
+
+def keep_unknown_columns(schema: pa.Schema, written: list[pa.Schema], where: str) -> pa.Schema:
+    """``schema`` followed by the columns of the ``written`` file schemas it does not know (written by a later
+    clawpipe), so that a rewrite of those files loses none of them; ``where`` names the files in errors."""
+    extra: dict[str, pa.Field] = {}
+    for file_schema in written:
+        for f in file_schema:
+            if f.name in schema.names:
+                continue
+            seen = extra.setdefault(f.name, f.with_nullable(True))
+            if not seen.type.equals(f.type):
+                raise LakeError(
+                    f"column {f.name} of {where} has two types ({seen.type} and {f.type}) in files a later clawpipe "
+                    "wrote; this clawpipe cannot rewrite them without losing one: use the version that wrote them"
+                )
+    return pa.schema(list(schema) + list(extra.values()))
+
+
+def check_format(lake: LakeFS) -> None:
+    """Refuse a lake whose format marker names a later :data:`LAKE_FORMAT` (a lake without one is format 1)."""
+    try:
+        raw = lake.read_bytes(FORMAT_FILE)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    try:
+        entry = json.loads(raw)
+        fmt = entry["format"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise LakeError(
+            f"{lake.url}/{FORMAT_FILE} is not a lake format marker ({exc!r}); it should hold "
+            f'{{"format": N, "written_by": "clawpipe X"}}: restore it, or remove it if this clawpipe wrote the lake'
+        ) from exc
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt > LAKE_FORMAT:
+        writer = entry.get("written_by") or "an unknown clawpipe version"
+        raise LakeError(
+            f"lake {lake.url} is in format {fmt!r}, written by {writer}; this clawpipe ({__version__}) reads and "
+            f"writes lake format {LAKE_FORMAT} and earlier: use {writer} or later with this lake"
+        )
+
+
+def mark_format(lake: LakeFS) -> None:
+    """Write the format marker of a lake that has none (writers call it, holding the lake's lock)."""
+    check_format(lake)
+    if not lake.exists(FORMAT_FILE):
+        marker = {"format": LAKE_FORMAT, "written_by": f"clawpipe {__version__}"}
+        lake.create_exclusive(FORMAT_FILE, json.dumps(marker).encode())
 
 
 def table_files(lake: LakeFS) -> dict[str, list[str]]:
@@ -374,6 +465,7 @@ def replace_partition(
     except (KeyError, pa.ArrowInvalid) as exc:
         raise LakeError(f"rows for {table} do not match schemas.{table.upper()}: {exc}") from exc
     lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)
+    check_format(lake)
     staged = f"{STAGING}/{uuid.uuid4().hex}"
     target = partition_rel(table, run_id, iteration)
     try:

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from clawpipe import capture, schemas
 from clawpipe.errors import LakeError
 from clawpipe.lake import manifest
-from clawpipe.tables import COMPACT_PREFIX, STAGING, TMP_SUFFIX, LakeFS, conform
+from clawpipe.tables import COMPACT_PREFIX, STAGING, TMP_SUFFIX, LakeFS, conform, keep_unknown_columns
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,10 @@ def _merge(
     written: list[str],
 ) -> None:
     """Merge ``files`` into new ones under ``staged`` (their names appended to ``written``) and put them in place."""
-    schema = schemas.TABLES[table]
+    # every column of every part: the schema's (NULL in parts landed before a column was added) and those
+    # a later clawpipe added, so the merged files hold all that the parts held
+    file_schemas = [pq.read_schema(lake.full(f), filesystem=lake.fs) for f in files]
+    schema = keep_unknown_columns(schemas.TABLES[table], file_schemas, f"{lake.url}/{rel}")
     seen: set[str] = set()
     writer: pq.ParquetWriter | None = None
     out_rel = ""
@@ -107,7 +110,7 @@ def _merge(
     for f in files:
         pf = pq.ParquetFile(lake.full(f), filesystem=lake.fs)
         for rg in range(pf.num_row_groups):
-            t = conform(pf.read_row_group(rg), schema)  # files landed before a column was added
+            t = conform(pf.read_row_group(rg), schema)
             if table == "model_calls":
                 ids = t.column("call_id").to_pylist()
                 # rows of one call are contiguous and land together: a call already seen is a duplicate

@@ -33,7 +33,7 @@ from clawpipe.errors import LakeError
 from clawpipe.lake import manifest, records, sources
 from clawpipe.lake.batch import RECORD_PREVIEW, Batch, Partition
 from clawpipe.lake.rollouts import coerce_rollout
-from clawpipe.tables import LakeFS
+from clawpipe.tables import LakeFS, mark_format
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class LandingReport:
     damaged_bytes: int = 0  # capture bytes in damaged regions (each region is one reject)
     policy_version_mismatches: int = 0  # calls whose engine-reported policy_version is not the proxy's stamp
     stream_errors: int = 0  # 200 answers that are errors (streams ending in an error event): upstream_error
+    held_back: list[str] = field(default_factory=list)  # segments in a later clawpipe's framing, left unlanded
     segments: int = 0  # segments read (new bytes found)
     bytes: int = 0  # capture bytes read
     batches: int = 0
@@ -166,6 +167,10 @@ class _Lander:
             size = os.fstat(f.fileno()).st_size
             if landed >= size and not sealed:
                 return
+            framing = capture.later_framing(os.pread(f.fileno(), 8, 0))
+            if framing is not None:  # a later clawpipe's framing: not damage, and not ours to consume
+                report.held_back.append(f"segment {seg.key} (framing {framing}) from offset {landed}")
+                return
             start = pos = landed
             batch = self.batch
             for item in sources.read_frames(f, landed, sealed=sealed):
@@ -264,6 +269,7 @@ def _land(
         state = manifest.load(lake, lease)
         lander = _Lander(lake, state, batch_bytes=batch_bytes, row_group_bytes=row_group_bytes, progress=progress)
         try:
+            mark_format(lake)  # so a later clawpipe that changes the format knows this one's lakes
             for seg in sources.list_segments(captures):
                 lander.land_segment(seg)
             for key, path in sources.list_results(captures):
@@ -276,6 +282,12 @@ def _land(
     report = lander.report
     report.partitions = {k for k, p in lander.partitions.items() if p.landed}
     report.seconds = time.perf_counter() - t0
+    if report.held_back:
+        # all else is committed; these wait, unlanded, for a clawpipe that reads their format
+        raise LakeError(
+            f"landed {report.calls} calls into {lake.url}, but held back {len(report.held_back)} captures written "
+            f"by a later clawpipe (left unlanded; upgrade clawpipe and land again): {'; '.join(report.held_back[:5])}"
+        )
     if report.policy_version_mismatches:
         log.warning(
             "%d calls: the engine reported a policy_version other than the proxy's stamp; the lake keeps the "

@@ -35,7 +35,7 @@ import orjson
 
 from clawpipe.errors import LakeError
 from clawpipe.lake.lease import Lease
-from clawpipe.tables import TMP_SUFFIX, LakeFS
+from clawpipe.tables import TMP_SUFFIX, LakeFS, check_format
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,10 @@ def fence(lake: LakeFS) -> int:
 
 
 def load(lake: LakeFS, lease: Lease | None = None) -> ManifestState:
-    """Read the manifest, rolling back every uncommitted batch first."""
+    """Read the manifest, rolling back every uncommitted batch first.
+
+    A lake in a later format (:func:`clawpipe.tables.check_format`) is refused before anything is touched."""
+    check_format(lake)
     if lease is not None and lease.took_over:
         fence(lake)  # before rolling back: the previous holder's batch must not commit after that
     if lake.is_local:  # what a writer that failed or was killed mid-write left (the caller holds the lock)

@@ -27,8 +27,13 @@ def merge_rollouts(lake: LakeFS, run_id: str, iteration: int, new_rows: list[dic
     (highest ``attempt``, then the later landed)."""
     rel = tables.partition_rel("rollouts", run_id, iteration)
     existing: list[dict[str, Any]] = []
+    file_schemas: list[pa.Schema] = []
     for part in lake.list_files(rel, suffix=".parquet"):
-        existing.extend(lake.read_parquet(part).to_pylist())
+        table = lake.read_parquet(part)
+        file_schemas.append(table.schema)
+        existing.extend(table.to_pylist())
+    # columns a later clawpipe wrote stay with their rows (a new row has them NULL)
+    schema = tables.keep_unknown_columns(schemas.ROLLOUTS, file_schemas, f"{lake.url}/{rel}")
     best: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
     for order, row in enumerate(existing + new_rows):
         key = (row.get("attempt") or 0, order)
@@ -36,7 +41,7 @@ def merge_rollouts(lake: LakeFS, run_id: str, iteration: int, new_rows: list[dic
         if cur is None or key >= cur[0]:
             best[row["rollout_id"]] = (key, row)
     merged = [r for _, r in sorted(best.values(), key=lambda kv: kv[0][1])]
-    _replace(lake, rel, pa.Table.from_pylist(merged, schema=schemas.ROLLOUTS))
+    _replace(lake, rel, pa.Table.from_pylist(merged, schema=schema))
 
 
 def _replace(lake: LakeFS, rel: str, table: pa.Table) -> None:
