@@ -63,7 +63,7 @@ def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows:
     written: list[str] = []
     try:
         _merge(lake, table, rel, files, max_rows, report, staged, written)
-    except (OSError, MemoryError) as exc:
+    except (OSError, MemoryError, pa.ArrowException) as exc:
         # the partition was not touched yet: drop what was staged (space comes back) and say why
         message = _stopped(lake, rel, exc)
         if lake.is_local:
@@ -77,11 +77,16 @@ def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows:
     report.files_after += len(written)
 
 
-def _stopped(lake: LakeFS, rel: str, exc: OSError | MemoryError) -> str:
+def _stopped(lake: LakeFS, rel: str, exc: OSError | MemoryError | pa.ArrowException) -> str:
     if isinstance(exc, OSError):
         why = capture.write_failure(exc, lake.root) if lake.is_local else str(exc)
-    else:
+    elif isinstance(exc, MemoryError):
         why = f"out of memory ({str(exc) or 'MemoryError'})"
+    else:  # a value that does not cast to its column's type: a part another clawpipe version wrote
+        why = (
+            f"a part holds a column of another type than this clawpipe's schema ({exc}); it was written by another "
+            "clawpipe version, which should compact it"
+        )
     return (
         f"compacting {lake.url}/{rel} stopped: {why}. The partition is unchanged (the merged files were removed); "
         "run the compaction again once that is fixed"

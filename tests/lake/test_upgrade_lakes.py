@@ -214,3 +214,21 @@ def test_a_segment_in_a_later_framing_is_held_back_unlanded_naming_it(tmp_path: 
             land(caps, lake)
     assert _ids(lake) == ["from-now"]
     assert run_sql(lake, "select count(*) from rejects").column(0).to_pylist() == [0]
+
+
+def test_a_part_whose_column_changed_type_stops_compaction_naming_it_and_leaves_the_partition(tmp_path: Path) -> None:
+    caps, lake = tmp_path / "cap", tmp_path / "lake"
+    fx.write_segment(caps / "a-1.seg", [fx.record(run_id="r", rollout_id="a", seq=k) for k in range(2)])
+    land(caps, lake)
+    calls_dir = lake / "model_calls" / "run_id=r" / "iteration=0"
+    (part,) = calls_dir.glob("*.parquet")
+    rows = pq.read_table(part)
+    # a later version writing `seq` as text: a value this one cannot cast into its int64 column
+    later = rows.set_column(rows.schema.get_field_index("seq"), "seq", pa.array(["7a", "7b"]))
+    later = later.set_column(0, "call_id", pa.array(["later-1", "later-2"]))
+    pq.write_table(later, calls_dir / "part-zz-later.parquet")  # merged after the part this version wrote
+    before = _files(lake)
+    with pytest.raises(LakeError, match=r"compacting .*iteration=0 stopped: a part holds a column of another type"):
+        compact(lake)
+    assert _files(lake) == before  # the partition as it was, nothing staged left behind
+    assert not list((lake / "_staging").glob("*"))
