@@ -55,6 +55,7 @@ class Tracker(Protocol):
     def log_params(self, params: Mapping[str, Any]) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
     def mark_running(self) -> None: ...
     def end(self, status: str = "FINISHED") -> None: ...
 
@@ -76,6 +77,9 @@ class NullTracker:
         return None
 
     def log_text(self, text: str, artifact_file: str) -> None:
+        return None
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
         return None
 
     def mark_running(self) -> None:
@@ -306,6 +310,15 @@ class MlflowTracker:
             self._done(
                 f"log artifact {artifact_file}", functools.partial(self.client.log_text, run_id, text, artifact_file)
             )
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set (or replace) tags of the run, named and cut as params are, in one call."""
+        from mlflow.entities import RunTag
+
+        run_id = self.run_id
+        if run_id is not None and tags:
+            items = [RunTag(tracking_name(k), param_value(v)) for k, v in tags.items()]
+            self._done("set tags", functools.partial(self.client.log_batch, run_id, tags=items))
 
     def mark_running(self) -> None:
         """Show the run as RUNNING again (a resumed run whose earlier process ended it KILLED or FAILED)."""

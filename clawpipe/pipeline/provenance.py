@@ -195,6 +195,21 @@ def tags(rec: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def location_tags(lake: str, run_dir: Path, flow_run_id: str | None) -> dict[str, str]:
+    """Where the run's outputs are, as tags: the host and folder holding its state, logs and checkpoints,
+    the lake holding its trajectories (without any credentials or query of its URL), its Prefect flow run."""
+    import socket
+    import urllib.parse
+
+    parsed = urllib.parse.urlsplit(lake)
+    if parsed.scheme and parsed.netloc:  # s3://key:secret@bucket/lake?endpoint=...: the bucket and path only
+        lake = urllib.parse.urlunsplit((parsed.scheme, parsed.hostname or "", parsed.path, "", ""))
+    out = {"clawpipe.host": socket.gethostname(), "clawpipe.run_dir": str(run_dir), "clawpipe.lake": lake}
+    if flow_run_id:
+        out["clawpipe.flow_run_id"] = flow_run_id
+    return out
+
+
 # --- the config as TOML -------------------------------------------------------------------------------
 
 

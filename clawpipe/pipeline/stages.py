@@ -79,6 +79,7 @@ def open_run(
     (settings.runs_dir / run_id / "config.toml").write_text(config_toml)
     tracker = make_tracker(experiment=cfg.experiment)
     run_tags = {"clawpipe.run_id": run_id, "git": git_revision, **provenance.tags(record)}
+    run_tags |= provenance.location_tags(settings.lake_dir, settings.runs_dir / run_id, flow_run_id)
     state.mlflow_run_id = tracker.start_run(run_id, tags=run_tags)
     # the trainer's settings whole (defaults included, as the trainer logs them): runs of configs that set
     # different train keys still have the same param names, and the same values for the same settings
@@ -108,13 +109,17 @@ def run_services(cfg: PipelineConfig, settings: Settings, state: RunState) -> Se
 
 
 def log_run_end(cfg: PipelineConfig, state: RunState, result: dict[str, Any]) -> None:
-    """Close the run's MLflow run with its peak memory and wall time."""
+    """Close the run's MLflow run with its peak memory, wall time and final policy."""
     from clawpipe.tracking import make_tracker
 
     tracker = make_tracker(bool(state.mlflow_run_id), experiment=cfg.experiment)
     tracker.start_run(mlflow_run_id=state.mlflow_run_id)
     metrics = {"run/peak_memory_mb": state.peak_memory_mb, "run/seconds": result["seconds"]}
     tracker.log_metrics(metrics, step=cfg.iterations)
+    # the trained policy, to serve or to start another run from (policy = "<dir>")
+    tracker.set_tags(
+        {"clawpipe.final_policy.dir": state.policy_dir, "clawpipe.final_policy.version": str(state.policy_version)}
+    )
     tracker.end()
 
 

@@ -5,6 +5,8 @@ A config whose harness was edited since it was recorded is said, naming the harn
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -94,9 +96,50 @@ def test_a_run_records_its_config_as_an_artifact_that_starts_a_run_with_the_same
     assert tags["clawpipe.policy.origin"] == "folder" and tags["clawpipe.policy.dir"] == cfg.policy
     assert tags["clawpipe.git_dirty"] in ("true", "false")
     assert {"clawpipe.version.torch", "clawpipe.version.transformers", "clawpipe.version.clawpipe"} <= set(tags)
-    same = {k: v for k, v in tags.items() if k.startswith("clawpipe.") and k != "clawpipe.run_id"}
+    # the same content, the same hashes (the checkout's diff aside: others may edit it between the runs)
+    own = ("clawpipe.run_id", "clawpipe.run_dir", "clawpipe.git_dirty", "clawpipe.git_diff_sha256")
+    same = {k: v for k, v in tags.items() if k.startswith("clawpipe.") and k not in own}
+    assert len(same) >= 12
     assert {k: b.tags[k] for k in same} == same
     assert first.provenance["harnesses"] == {"tool-agent": tags["clawpipe.harness.tool-agent.sha256"]}
+    # where its outputs are: the state, logs and checkpoints on this host, the lake
+    assert tags["clawpipe.run_dir"] == str(home.resolve() / "runs" / first.run_id)
+    assert tags["clawpipe.lake"] == str(home.resolve() / "lake") and tags["clawpipe.host"]
+    artifacts = {f.path for f in client.list_artifacts(str(first.mlflow_run_id))}
+    if tags["clawpipe.git_dirty"] == "true":  # the uncommitted changes it ran with, told apart by their hash
+        diff = Path(client.download_artifacts(str(first.mlflow_run_id), "git.diff", str(tmp_path / "dl"))).read_text()
+        assert artifacts == {"config.toml", "git.diff"} and diff.strip()
+        assert tags["clawpipe.git_diff_sha256"] == hashlib.sha256(diff.encode()).hexdigest()[: provenance.HASH_HEX]
+    else:
+        assert artifacts == {"config.toml"} and "clawpipe.git_diff_sha256" not in tags
+
+
+def test_a_lake_url_is_tagged_without_its_credentials(tmp_path: Path) -> None:
+    lake = "s3://AKIAKEY:s3cr3t@bucket/team/lake?endpoint_override=http://10.0.0.1:9000&secret_key=s3cr3t"
+    tags = provenance.location_tags(lake, tmp_path / "runs" / "r", "flow-1")
+    assert tags["clawpipe.lake"] == "s3://bucket/team/lake" and tags["clawpipe.flow_run_id"] == "flow-1"
+    assert "s3cr3t" not in json.dumps(tags) and "AKIAKEY" not in json.dumps(tags)
+
+
+def test_a_run_whose_tracking_store_is_away_still_records_what_it_used(
+    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clawpipe import config
+    from clawpipe.net import free_port
+    from clawpipe.pipeline.stages import open_run
+
+    monkeypatch.setenv("CLAWPIPE_MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    config.get_settings.cache_clear()
+    settings = config.get_settings()
+    cfg = PipelineConfig(
+        backend="process", policy=str(_policy(tmp_path)), harnesses=[{"name": "chat-loop", "task_set": "say"}]
+    )
+    state = open_run(settings, cfg, run_id=None, resume=False, git_revision="g")
+    assert state.mlflow_run_id is None  # untracked, not failed
+    saved = json.loads((settings.runs_dir / state.run_id / "state.json").read_text())
+    assert set(saved["provenance"]["harnesses"]) == {"chat-loop"}
+    assert load_config(settings.runs_dir / state.run_id / "config.toml").model_dump() == cfg.model_dump()
 
 
 def test_runs_are_found_by_harness_with_mlflow_search(tmp_path: Path, home: Path) -> None:

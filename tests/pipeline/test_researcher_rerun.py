@@ -75,3 +75,7 @@ def test_a_run_reruns_from_its_config_artifact_and_an_edited_harness_is_named(tm
     assert a.tags[key] != b.tags[key] and a.tags["clawpipe.harness_kit.sha256"] == b.tags["clawpipe.harness_kit.sha256"]
     assert a.tags["clawpipe.policy.origin"] == "built tiny seed 0" == b.tags["clawpipe.policy.origin"]
     assert a.tags["clawpipe.policy.sha256"] == b.tags["clawpipe.policy.sha256"]
+    # the trained policy it ended with, to serve or start another run from
+    assert a.tags["clawpipe.final_policy.version"] == "1"
+    assert (Path(a.tags["clawpipe.final_policy.dir"]) / "config.json").is_file()
+    assert a.tags["clawpipe.final_policy.dir"].startswith(a.tags["clawpipe.run_dir"])
