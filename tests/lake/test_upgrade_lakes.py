@@ -19,6 +19,7 @@ import pytest
 from clawpipe import capture, schemas, sqlfiles, tables
 from clawpipe.errors import LakeError
 from clawpipe.lake import compact, land, run_audits, run_saved, run_sql, saved_names
+from clawpipe.lake.query import query_params
 from tests.lake import fixtures as fx
 
 UPGRADE = Path(__file__).parent / "upgrade"
@@ -106,6 +107,24 @@ def test_new_calls_in_an_old_partition_read_with_new_columns_null_through_querie
     (merged,) = part_dir.glob("*.parquet")
     assert pq.read_schema(merged).names[: len(schemas.MODEL_CALLS)] == schemas.MODEL_CALLS.names
     check()
+
+
+# a value for each $parameter the sql/ files take, naming what the old lakes hold
+PARAMS = {"run_id": OLD_RUN, "iteration": 0, "scope": "", "group_ids": ["g0"], "all_groups": True}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_sql_file_runs_over_an_old_lake(version: str) -> None:
+    lake = UPGRADE / version / "lake"  # read only
+    con = tables.connect(lake)
+    ran = {}
+    for folder in ("analytics", "audits", "common", "pipeline", "train", "trees"):
+        for name in sqlfiles.sql_names(folder):
+            sql = sqlfiles.sql_text(f"{folder}/{name}")
+            params = {p: PARAMS.get(p, "rollout:old-r0" if p == "tree_id" else None) for p in query_params(sql)}
+            ran[f"{folder}/{name}"] = len(con.execute(sql, params).fetchall())
+    # what the old version landed is found: its calls, rollouts and trees
+    assert ran["trees/calls"] == 5 and ran["common/latest_rollouts"] == 2 and ran["trees/list"] == 3
 
 
 def test_early_tree_stats_read_the_renamed_count_as_the_new_columns(tmp_path: Path) -> None:
