@@ -75,20 +75,19 @@ class CallBatch:
     group_code: np.ndarray  # per row: index into group_keys
     group_keys: list[str]  # group_key() of each group
     reward_of_rollout: np.ndarray  # NaN where unknown
-    mv_prompt: memoryview = field(repr=False)
-    mv_completion: memoryview = field(repr=False)
     spliced: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)  # per row
 
     def key(self, r: int) -> bytes:
-        """Row r's sequence (prompt + generated completion) as big-endian uint32 bytes."""
-        ps = int(self.prompt.offset[r]) * 4
-        cs = int(self.completion.offset[r]) * 4
-        return b"".join(
-            (
-                self.mv_prompt[ps : ps + int(self.prompt.length[r]) * 4],
-                self.mv_completion[cs : cs + int(self.glen[r]) * 4],
-            )
-        )
+        """Row r's sequence (prompt + generated completion) as big-endian uint32 bytes.
+
+        Written from the ids where they lie, one row at a time: a big-endian copy of the whole batch's ids
+        beside the keys held as much again as the keys, which already hold every flattened token."""
+        ps, pl = int(self.prompt.offset[r]), int(self.prompt.length[r])
+        cs, gl = int(self.completion.offset[r]), int(self.glen[r])
+        out = np.empty(pl + gl, dtype=">u4")
+        out[:pl] = self.prompt.values[ps : ps + pl].view(np.uint32)
+        out[pl:] = self.completion.values[cs : cs + gl].view(np.uint32)
+        return out.tobytes()
 
 
 def group_keys(group_id: pa.ChunkedArray, rollout_id: pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
@@ -149,8 +148,6 @@ def prepare(calls: pa.Table) -> CallBatch:
     reward = pc.fill_null(calls["reward"], np.nan).to_numpy()
     reward_of_rollout = np.full(len(rollout_ids), np.nan)
     reward_of_rollout[rollout_code[::-1]] = reward[::-1]  # the first row's reward per rollout
-    p_be = prompt.values.astype(">u4").view(np.uint8)
-    c_be = completion.values.astype(">u4").view(np.uint8)
     return CallBatch(
         table=calls,
         prompt=prompt,
@@ -168,7 +165,5 @@ def prepare(calls: pa.Table) -> CallBatch:
         group_code=group_code,
         group_keys=keys_of_groups,
         reward_of_rollout=reward_of_rollout,
-        mv_prompt=memoryview(p_be),  # type: ignore[arg-type]
-        mv_completion=memoryview(c_be),  # type: ignore[arg-type]
         spliced=pc.fill_null(calls["spliced_tokens"], 0).to_numpy().astype(np.int64),
     )

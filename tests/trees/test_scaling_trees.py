@@ -5,6 +5,7 @@ shared), and the builder's peak memory compared with the unique and the flattene
 from __future__ import annotations
 
 import sys
+import tracemalloc
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -100,3 +101,19 @@ def test_a_long_rollout_with_an_early_drift_costs_steps_linear_in_its_turns() ->
         assert stats["drift_count"] == turns - 3  # the calls after the re-encoded answer
         counts[turns] = steps
     assert counts[200] / counts[100] < 2.3, counts
+
+
+def test_a_long_rollout_is_built_holding_its_sequences_once() -> None:
+    """The builder's own peak (tracemalloc; the Arrow input is not Python's) for a 600-turn rollout is its sort
+    keys, the sequences once (4 bytes per flattened token), plus per-node work; a big-endian copy of every id of
+    the batch beside the keys doubled it."""
+    calls = multi_turn_calls(600)
+    tracemalloc.start()
+    try:
+        forest = build_forest(calls, run_id="r", iteration=0, scopes=("rollout",))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    stats = forest.stats.to_pylist()[0]
+    assert stats["flattened_tokens"] > 150 * stats["unique_tokens"]  # a long rollout replays its history
+    assert peak < 5 * stats["flattened_tokens"], (peak, stats["flattened_tokens"], stats["unique_tokens"])
