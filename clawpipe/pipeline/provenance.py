@@ -217,7 +217,7 @@ def config_toml(cfg: PipelineConfig, rec: Mapping[str, Any], run_id: str) -> str
     """``cfg`` as TOML that ``clawpipe run --config`` reads back to the same config, followed by the
     run's provenance in the ``[recorded]`` table (read by :func:`changed_since`, left out of the config)."""
     head = [
-        f"# The config of clawpipe run {run_id}, as it was validated. Run it again (change a knob first if you like):",
+        f"# The validated config of clawpipe run {run_id}; run it again (a knob changed, if you like) with",
         "#   clawpipe run --config config.toml",
         f"# [{RECORDED_TABLE}] holds what the run used; clawpipe run warns about what differs from it now.",
         "",
