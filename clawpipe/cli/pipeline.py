@@ -81,13 +81,13 @@ def _warn_changed_since_recorded(config: Path | None, cfg: PipelineConfig) -> No
     rerun will differ, and only this line says so before it starts."""
     from clawpipe.configfile import read_values
     from clawpipe.pipeline.config import RECORDED_TABLE
-    from clawpipe.pipeline.provenance import changed_since
+    from clawpipe.pipeline.provenance import rerun_warnings
 
     if config is None:
         return
     recorded = read_values(config, what="config file").get(RECORDED_TABLE)
     if isinstance(recorded, dict):
-        for message in changed_since(cfg, recorded):
+        for message in rerun_warnings(cfg, recorded):
             typer.secho(f"warning: {message}", err=True, fg="yellow")
 
 

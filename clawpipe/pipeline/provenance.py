@@ -282,20 +282,17 @@ def _value(value: Any) -> str:
 # --- a rerun ----------------------------------------------------------------------------------------------
 
 
-def changed_since(cfg: PipelineConfig, recorded: Mapping[str, Any]) -> list[str]:
+def changed_since(cfg: PipelineConfig, recorded: Mapping[str, Any], *, policy: bool = True) -> dict[str, str]:
     """What ``cfg`` would run differently from the run that recorded ``recorded`` (a config.toml's
-    ``[recorded]`` table): each harness folder, the harness kit, task set source or policy folder whose
-    content hash is not the recorded one, one message each. Harnesses the config no longer uses are not
-    compared."""
-    run = f"run {recorded['run_id']}" if recorded.get("run_id") else "the run that recorded this config"
-    said: list[str] = []
+    ``[recorded]`` table, or a run state's provenance): each harness folder, the harness kit, task set source
+    and (with ``policy``) initial policy folder whose content hash is not the recorded one, as what changed
+    (``harness chat-loop``) -> how (``its folder ... hashes <now> now, <then> then``). Harnesses the config
+    no longer uses are not compared."""
+    changed: dict[str, str] = {}
 
     def compare(what: str, where: str, then: object, now: str) -> None:
         if isinstance(then, str) and then and then != "unknown" and then != now:
-            said.append(
-                f"{what} is not what {run} used: {where} hashes {now} now, {then} then, so this run will not "
-                f"repeat that one exactly (check out git revision {recorded.get('git', '?')} for the code it ran)"
-            )
+            changed[what] = f"{where} hashes {now} now, {then} then"
 
     then_harnesses = recorded.get("harnesses")
     then_harnesses = then_harnesses if isinstance(then_harnesses, Mapping) else {}
@@ -309,9 +306,38 @@ def changed_since(cfg: PipelineConfig, recorded: Mapping[str, Any]) -> list[str]
     then_tasks = then_tasks if isinstance(then_tasks, Mapping) else {}
     for name, now in task_set_digests(cfg).items():
         compare(f"task set {name}", "its source", then_tasks.get(name), now)
-    policy = recorded.get("policy")
-    if cfg.policy and isinstance(policy, Mapping) and policy.get("dir") == str(Path(cfg.policy).expanduser()):
+    then_policy = recorded.get("policy")
+    if policy and cfg.policy and isinstance(then_policy, Mapping):
         path = Path(cfg.policy).expanduser()
-        if (path / "config.json").is_file():
-            compare(f"policy {path}", "the folder", policy.get("sha256"), folder_digest(path))
-    return said
+        if then_policy.get("dir") == str(path) and (path / "config.json").is_file():
+            compare(f"policy {path}", "the folder", then_policy.get("sha256"), folder_digest(path))
+    return changed
+
+
+def rerun_warnings(cfg: PipelineConfig, recorded: Mapping[str, Any]) -> list[str]:
+    """One message per thing :func:`changed_since` finds, for ``clawpipe run --config`` of a recorded config."""
+    run = f"run {recorded['run_id']}" if recorded.get("run_id") else "the run that recorded this config"
+    return [
+        f"{what} is not what {run} used: {how}, so this run will not repeat that one exactly (check out git "
+        f"revision {recorded.get('git', '?')} for the code it ran)"
+        for what, how in changed_since(cfg, recorded).items()
+    ]
+
+
+def changed_on_resume(cfg: PipelineConfig, recorded: Mapping[str, Any], run_id: str, iteration: int) -> list[str]:
+    """The harnesses, kit and task sets that changed since run ``run_id`` started, each said: its iterations
+    from ``iteration`` on run the changed ones. The initial policy is not compared: a resumed run goes on
+    from its checkpoint. Nothing for a run that recorded no provenance (started before runs did)."""
+    if not recorded:
+        return []
+    changed = changed_since(cfg, recorded, policy=False)
+    for what, how in changed.items():
+        log.warning(
+            "run %s resumes at iteration %d with %s changed since it started (%s): the iterations from here on "
+            "run the changed one",
+            run_id,
+            iteration,
+            what,
+            how,
+        )
+    return list(changed)

@@ -59,10 +59,13 @@ def open_run(
         log.info("resuming run %s at iteration %d", run_id, state.next_iteration)
         resumed = PipelineConfig.model_validate(state.config)
         check_prerequisites(resumed)
+        changed = provenance.changed_on_resume(resumed, state.provenance, state.run_id, state.next_iteration)
         if state.mlflow_run_id:  # the same MLflow run goes on: RUNNING again after a kill or a cancel
             tracker = make_tracker(experiment=resumed.experiment)
             tracker.start_run(mlflow_run_id=state.mlflow_run_id)
             tracker.mark_running()
+            if changed:  # said in the run's record too: its curve may bend here for this reason
+                tracker.set_tags({f"clawpipe.changed_on_resume.it{state.next_iteration}": ", ".join(changed)})
         return state
     cfg = cfg or PipelineConfig()
     if run_id and (settings.runs_dir / run_id / "state.json").is_file():  # a new run must not overwrite a run
@@ -116,6 +119,7 @@ def log_run_end(cfg: PipelineConfig, state: RunState, result: dict[str, Any]) ->
     tracker.start_run(mlflow_run_id=state.mlflow_run_id)
     metrics = {"run/peak_memory_mb": state.peak_memory_mb, "run/seconds": result["seconds"]}
     tracker.log_metrics(metrics, step=cfg.iterations)
+    tracker.log_text(result["markdown"], "summary.md")  # the reward table and per-harness totals, as printed
     # the trained policy, to serve or to start another run from (policy = "<dir>")
     tracker.set_tags(
         {"clawpipe.final_policy.dir": state.policy_dir, "clawpipe.final_policy.version": str(state.policy_version)}

@@ -176,10 +176,10 @@ def test_an_edited_harness_hashes_differently_and_a_rerun_names_it(
     harnesses = _harnesses_here(tmp_path, monkeypatch, "chat-loop", "compacting-agent")
     cfg = PipelineConfig(backend="process", policy=str(_policy(tmp_path)))
     rec, _ = provenance.record(cfg, Path(str(cfg.policy)), "rev1")
-    assert provenance.changed_since(cfg, {"run_id": "r1", **rec}) == []
+    assert provenance.rerun_warnings(cfg, {"run_id": "r1", **rec}) == []
     with open(harnesses / "chat-loop" / "harness.py", "a") as f:
         f.write("\n# tuned the prompt\n")
-    said = provenance.changed_since(cfg, {"run_id": "r1", **rec})
+    said = provenance.rerun_warnings(cfg, {"run_id": "r1", **rec})
     assert len(said) == 1 and "harness chat-loop" in said[0] and "r1" in said[0], said
     assert str(harnesses / "chat-loop") in said[0] and rec["harnesses"]["chat-loop"] in said[0]
     again, _ = provenance.record(cfg, Path(str(cfg.policy)), "rev1")
@@ -189,8 +189,36 @@ def test_an_edited_harness_hashes_differently_and_a_rerun_names_it(
     with open(harnesses / "_kit" / "harness_kit.py", "a") as f:
         f.write("\n# kit edit\n")
     (Path(str(cfg.policy)) / "config.json").write_text('{"model_type": "other"}')
-    said = provenance.changed_since(cfg, {"run_id": "r1", **rec})
+    said = provenance.rerun_warnings(cfg, {"run_id": "r1", **rec})
     assert [s.split(" is not ")[0] for s in said] == ["harness chat-loop", "the harness kit", f"policy {cfg.policy}"]
+
+
+def test_a_run_resumed_after_its_harness_was_edited_says_so_in_its_log_and_tags(
+    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import mlflow
+    from clawpipe.config import Settings
+    from clawpipe.pipeline.stages import open_run
+
+    harnesses = _harnesses_here(tmp_path, monkeypatch, "chat-loop", "compacting-agent")
+    settings = Settings(home=home)
+    cfg = PipelineConfig(backend="process", policy=str(_policy(tmp_path)), experiment="resume")
+    state = open_run(settings, cfg, run_id=None, resume=False, git_revision="g")
+    caplog.set_level(logging.WARNING, logger="clawpipe.pipeline.provenance")
+    open_run(settings, None, run_id=state.run_id, resume=True, git_revision="g")  # unchanged: nothing said
+    assert not [r for r in caplog.records if r.name == "clawpipe.pipeline.provenance"]
+    state.complete({"policy_dir": str(cfg.policy), "policy_version": 1}, peak_memory_mb=1.0)
+    state.save(settings.runs_dir)
+    with open(harnesses / "compacting-agent" / "harness.py", "a") as f:
+        f.write("\n# edited while the run was stopped\n")
+    (Path(str(cfg.policy)) / "config.json").write_text("{}")  # the initial policy: not what a resume runs
+    open_run(settings, None, run_id=state.run_id, resume=True, git_revision="g")
+    said = [r.getMessage() for r in caplog.records if r.name == "clawpipe.pipeline.provenance"]
+    assert len(said) == 1 and "resumes at iteration 1 with harness compacting-agent changed" in said[0], said
+    tags = mlflow.MlflowClient(tracking_uri=settings.tracking_uri).get_run(str(state.mlflow_run_id)).data.tags
+    assert tags["clawpipe.changed_on_resume.it1"] == "harness compacting-agent"
 
 
 def test_the_cli_warns_about_an_edited_harness_before_the_run_starts(

@@ -75,7 +75,9 @@ def test_a_run_reruns_from_its_config_artifact_and_an_edited_harness_is_named(tm
     assert a.tags[key] != b.tags[key] and a.tags["clawpipe.harness_kit.sha256"] == b.tags["clawpipe.harness_kit.sha256"]
     assert a.tags["clawpipe.policy.origin"] == "built tiny seed 0" == b.tags["clawpipe.policy.origin"]
     assert a.tags["clawpipe.policy.sha256"] == b.tags["clawpipe.policy.sha256"]
-    # the trained policy it ended with, to serve or start another run from
+    # the printed summary, and the trained policy it ended with, to serve or start another run from
+    summary_md = Path(client.download_artifacts(first["mlflow_run_id"], "summary.md", str(tmp_path / "md")))
+    assert summary_md.read_text() == first["markdown"] and "| iteration |" in first["markdown"]
     assert a.tags["clawpipe.final_policy.version"] == "1"
     assert (Path(a.tags["clawpipe.final_policy.dir"]) / "config.json").is_file()
     assert a.tags["clawpipe.final_policy.dir"].startswith(a.tags["clawpipe.run_dir"])
