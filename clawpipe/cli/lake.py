@@ -115,12 +115,37 @@ def _check_out(out: Path, lake_root: str) -> None:
         )
 
 
+def _read_stdin_query() -> str:
+    """QUERY ``-``: the statement from stdin, so a query kept in a file runs as it is, comments and all (given
+    as an argument, one starting with a ``--`` comment would be read as an option)."""
+    if sys.stdin.isatty():
+        raise typer.BadParameter("QUERY - reads the statement from stdin: pipe it in (clawpipe sql - < query.sql)")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise typer.BadParameter("QUERY - read no statement from stdin; pipe one in (clawpipe sql - < query.sql)")
+    return text
+
+
+def _reader_gone() -> None:
+    """stdout's reader closed the pipe (``clawpipe sql ... | head``): what it wanted was shown, so stop quietly.
+    stdout is pointed at /dev/null so the interpreter's last flush does not raise again (Python's documented
+    handling of SIGPIPE), and the exit status is 1, as for a write that did not complete."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    raise typer.Exit(1)
+
+
 def _emit(table: Any, fmt: str, out: Path | None) -> None:
     try:
         _write(table, fmt, out)
     except OverflowError:  # a value Python has no type for (an infinite date), met while rendering the rows
         _fail(ValueError(_unshowable(table, fmt)))
     except OSError as exc:
+        if out is None and isinstance(exc, BrokenPipeError):
+            _reader_gone()
         _fail(OSError(f"cannot write --out {out}: {exc}; give a writable file path"))
 
 
@@ -216,7 +241,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command("sql")
     def sql_cmd(
-        query: str | None = typer.Argument(None, help="One read-only SQL statement over the lake's views."),
+        query: str | None = typer.Argument(
+            None, help="One read-only SQL statement over the lake's views; - reads it from stdin (a .sql file)."
+        ),
         saved: str | None = typer.Option(None, "--saved", help="Run sql/analytics/NAME.sql instead."),
         param: list[str] = typer.Option([], "--param", help="k=v for a saved query's $k (repeat)."),
         fmt: str = typer.Option("table", "--format", help="table | csv | json (JSON lines) | parquet."),
@@ -241,7 +268,7 @@ def register(app: typer.Typer) -> None:
             None, "--threads", min=1, help="Threads for the query; default half the CPUs."
         ),
     ) -> None:
-        """Ad hoc, read-only SQL over model_calls, rollouts, tree_nodes, tree_stats and rejects."""
+        """Ad hoc, read-only SQL over model_calls, rollouts, tree_nodes, tree_stats, tree_sequences and rejects."""
         from clawpipe.errors import ClawpipeError
         from clawpipe.lake import run_saved, run_sql
 
@@ -254,6 +281,8 @@ def register(app: typer.Typer) -> None:
         _check_lake(_lake_root(lake))
         if out is not None:
             _check_out(out, _lake_root(lake))
+        if query == "-":
+            query = _read_stdin_query()
         params: dict[str, str] = {}
         for p in param:
             if "=" not in p:

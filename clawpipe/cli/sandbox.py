@@ -54,7 +54,7 @@ def register(app: typer.Typer) -> None:
             [],
             "--env",
             "-e",
-            help="KEY=VALUE set over the manifest's [env] for this run (repeatable), e.g. CLAWPIPE_CLI_MODE=full.",
+            help="KEY=VALUE set over the manifest's \\[env] for this run (repeatable), e.g. CLAWPIPE_CLI_MODE=full.",
         ),
     ) -> None:
         """Run a harness on tasks in sandboxes against the proxy; one result row per rollout."""

@@ -19,7 +19,7 @@ def build(
     iteration: int | None = typer.Option(None, "--iteration", help="One iteration; default every iteration."),
     lake: str | None = typer.Option(None, "--lake", help="Lake root (path or URL); default <home>/lake."),
 ) -> None:
-    """Build rollout and group trees and replace the run's tree_nodes and tree_stats partitions."""
+    """Build rollout and group trees and replace the run's tree_nodes, tree_stats and tree_sequences partitions."""
     from clawpipe.config import get_settings
     from clawpipe.trees import build_trees
 
