@@ -91,8 +91,10 @@ def open_run(
         {"run_id": run_id, **cfg.model_dump(exclude={"train"}), "train": train_params, "git_revision": git_revision}
     )
     tracker.log_text(config_toml, "config.toml")  # `clawpipe run --config` of it runs the same config again
-    if diff and len(diff) <= provenance.MAX_DIFF_BYTES:  # the uncommitted changes the run ran with
+    if diff and len(diff.encode()) <= provenance.MAX_DIFF_BYTES:  # the uncommitted changes the run ran with
         tracker.log_text(diff, "git.diff")
+    elif diff:
+        log.info("the checkout's changes are over %d bytes: not stored, only their hash", provenance.MAX_DIFF_BYTES)
     state.save(settings.runs_dir)
     return state
 

@@ -63,6 +63,33 @@ def test_config_toml_reads_back_to_the_same_config(tmp_path: Path) -> None:
         assert again.train_config().flat_params() == cfg.train_config().flat_params()
 
 
+def test_random_configs_read_back_from_their_toml_unchanged(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(7)
+    # every control character but NUL (an environment cannot carry it), quotes, backslashes, TOML's own
+    # punctuation, DEL, line and paragraph separators, characters outside the BMP
+    pool = [chr(c) for c in range(1, 0x20)] + list("\"'\\#=[]{}.,: ab\x7f\u2028\u00e9\U0001f600\U0010fffd")
+    floats = [5e-324, 1e-05, 0.1, 1.0, 2.5, 1e16, 123456.789, 1 / 3]
+    for i in range(200):
+        env = {f"K{j}": "".join(rng.choice(pool) for _ in range(rng.randrange(0, 12))) for j in range(3)}
+        cfg = PipelineConfig(
+            backend="process",
+            run_name=f"r{i}",
+            seed=rng.randrange(0, 2**32),
+            samples=rng.randrange(2, 9),
+            rollout_timeout_s=rng.choice([None, rng.choice(floats[1:5])]),
+            harnesses=[
+                {"name": "chat-loop", "task_set": "guess", "weight": rng.choice(floats), "env": env},
+                {"name": "tool-agent", "task_set": "calc", "groups": rng.choice([None, 1, 7])},
+            ],
+            train={"learning_rate": rng.choice([1e-05, 0.002, 0.01]), "epochs": rng.randrange(1, 4)},
+        )
+        path = tmp_path / "c.toml"
+        path.write_text(provenance.config_toml(cfg, {"git": "g"}, f"run-{i}"), encoding="utf-8")
+        assert load_config(path).model_dump() == cfg.model_dump(), path.read_text(encoding="utf-8")
+
+
 def test_a_run_records_its_config_as_an_artifact_that_starts_a_run_with_the_same_params(
     tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
