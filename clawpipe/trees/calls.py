@@ -77,6 +77,10 @@ class CallBatch:
     reward_of_rollout: np.ndarray  # NaN where unknown
     spliced: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)  # per row
 
+    def key_length(self, r: int) -> int:
+        """Tokens in row r's sequence (prompt + generated completion)."""
+        return int(self.prompt.length[r]) + int(self.glen[r])
+
     def key(self, r: int) -> bytes:
         """Row r's sequence (prompt + generated completion) as big-endian uint32 bytes.
 

@@ -23,6 +23,7 @@ from clawpipe.schemas import TREE_NODES, TREE_SEQUENCES, TREE_STATS
 from clawpipe.trees.calls import CallBatch, prepare
 from clawpipe.trees.labels import CAUSES, DRIFT
 from clawpipe.trees.prefix_tree import TreeNodes, TreeSequences, build_tree
+from clawpipe.trees.shapes import Keys
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,11 @@ def _to_rows(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return np.where(idx >= 0, rows[np.maximum(idx, 0)], -1)
 
 
-def _sequences(b: CallBatch, rows: np.ndarray, keys: dict[int, bytes]) -> TreeSequences:
-    """The tree input of batch rows (already restricted to rows in the tree), in their order."""
+def _sequences(b: CallBatch, rows: np.ndarray) -> TreeSequences:
+    """The tree input of batch rows (already restricted to rows in the tree), in their order; keys are built
+    when the builder asks for them."""
     return TreeSequences(
-        keys=[keys[r] for r in rows.tolist()],
+        keys=Keys(rows.tolist(), b.key, b.key_length),
         plen=b.prompt.length[rows].tolist(),
         glen=b.glen[rows].tolist(),
         call=b.call_code[rows].tolist(),
@@ -177,7 +179,6 @@ def build_forest(calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[
         b = prepare(calls)
         bounds = np.flatnonzero(np.diff(b.group_code)) + 1
         for g_rows in np.split(np.arange(len(b.group_code)), bounds):
-            keys = {r: b.key(r) for r in g_rows[b.in_tree[g_rows]].tolist()}
             group = b.table["group_id"][int(g_rows[0])].as_py()  # the real one: None without a group
             # the rollout trees come first: a group tree's branches take their labels from them
             per_rollout: dict[int, TreeNodes] = {}
@@ -185,7 +186,7 @@ def build_forest(calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[
             for r_rows in np.split(g_rows, np.flatnonzero(np.diff(rc)) + 1):
                 code = int(b.rollout_code[r_rows[0]])
                 rows = r_rows[b.in_tree[r_rows]]
-                r_nodes = build_tree(_sequences(b, rows, keys)) if len(rows) else None
+                r_nodes = build_tree(_sequences(b, rows)) if len(rows) else None
                 if r_nodes is not None:
                     per_rollout[code] = r_nodes
                 if "rollout" in scopes:
@@ -193,7 +194,7 @@ def build_forest(calls: pa.Table, *, run_id: str, iteration: int, scopes: tuple[
                     _add_tree(acc, b, "rollout", tree_id_of("rollout", rid), group, rid, r_rows, r_nodes)
             if "group" in scopes:
                 rows = g_rows[b.in_tree[g_rows]]
-                g_seqs = _sequences(b, rows, keys)
+                g_seqs = _sequences(b, rows)
                 g_nodes = build_tree(g_seqs, group_scope=True, rollout_trees=per_rollout) if len(rows) else None
                 tid = group_tree_id(group, b.rollout_ids[int(b.rollout_code[g_rows[0]])])
                 _add_tree(acc, b, "group", tid, group, None, g_rows, g_nodes)

@@ -4,12 +4,15 @@ Algorithm (per tree, docs/ARCHITECTURE.md, "Tree semantics"):
 
 1. Each sequence (prompt + completion of one call x choice) becomes a big-endian ``bytes`` key, so a
    plain ``sorted`` (memcmp) orders the sequences lexicographically and a prefix sorts before its
-   extensions.
-2. Walking the sorted keys once with a stack of the previous key's path builds the compacted trie from
+   extensions. Keys are built when asked for, and the sequences (rank order) form chains in which each key
+   extends the one before (a harness's next turn replays the previous prompt and answer): only the last
+   key of each chain is kept and sorted, so a long rollout holds about its unique tokens, not every replay.
+2. Walking the sorted last keys once with a stack of the previous key's path builds the compacted trie from
    the longest common prefix (LCP) of neighbours: ``bytes.startswith`` settles the common multi-turn case
    (the previous sequence is a prefix of the next) at memcmp speed; other neighbours get one vectorised
-   numpy comparison. Every sequence end is a node boundary, so each sequence is exactly one root-to-node
-   path.
+   numpy comparison. Every other key of a chain is a prefix of its last one and ends on its path. Every
+   sequence end is a node boundary, so each sequence is exactly one root-to-node path; the sorted order of
+   all keys is the tree's preorder.
 3. Generation: a sequence generates the positions from its prompt length to its end. Within one node the
    generated positions are a suffix, so each node splits into at most a context piece plus one piece per
    distinct completion start inside it; a piece's generator is the earliest sequence (input rank) among
@@ -24,12 +27,13 @@ The per-token work is memcmp/numpy; Python work is per sequence and per node, ne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from clawpipe.trees.labels import DRIFT, LabelContext, classify, group_labels
-from clawpipe.trees.shapes import TreeNodes, TreeSequences
+from clawpipe.trees.shapes import Keys, TreeNodes, TreeSequences
 
 __all__ = ["TreeNodes", "TreeSequences", "build_tree"]
 
@@ -44,48 +48,131 @@ def _lcp(a: bytes, b: bytes) -> int:
     return j if neq[j] else m
 
 
-def _build_radix(keys: list[bytes]) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
+_OPEN_CHAINS = 4  # recent chains a sequence may extend: a sub-agent's calls interleave with the main line's
+
+
+def _chains(keys: Sequence[bytes]) -> tuple[list[list[int]], list[bytes]]:
+    """Split the sequences (rank order) into chains in which each one extends (or equals) the one before: the
+    members of each chain and the key of its last one, the only key the sort needs.
+
+    A multi-turn rollout is mostly one chain (each prompt replays the previous prompt and answer), so the keys
+    held are about its unique tokens rather than every replay of its history; each sequence's key is built
+    once, compared with the last key of a few recent chains and dropped unless it ends its chain."""
+    chains: list[list[int]] = []
+    last: list[bytes] = []
+    recent: list[int] = []  # open chains, most recently extended last
+    for j in range(len(keys)):
+        k = keys[j]
+        for c in reversed(recent):
+            if k.startswith(last[c]):
+                chains[c].append(j)
+                last[c] = k
+                recent.remove(c)
+                break
+        else:
+            c = len(chains)
+            chains.append([j])
+            last.append(k)
+        recent.append(c)
+        if len(recent) > _OPEN_CHAINS:
+            recent.pop(0)
+    return chains, last
+
+
+def _build_radix(
+    keys: Sequence[bytes],
+) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
     """Compacted trie of the keys. Node 0 is the (empty) root.
 
     Returns start, end, parent, first, end_node and the sorted order of the keys: ``first[v]`` is the
     sorted position of the first key through v (the preorder key); ``end_node[j]`` the node where key j ends.
+    The chains' last keys are sorted and walked (:func:`_chains`); every other key is a prefix of its chain's
+    last one, so it ends on that path (a node boundary, splitting a node where needed) and the sorted order of
+    all keys is the tree's preorder, the keys ending at a node before its children, equal keys in rank order.
     """
-    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equal keys keep rank order
+    chains, last = _chains(keys)
     start = [0]
     end = [0]
     parent = [-1]
-    first = [-1]
+    head = [-1]  # a chain whose last key passes through each node (its first id tells siblings apart)
     end_node = [0] * len(keys)
     stack = [0]
     prev = b""
-    for pos, j in enumerate(order):
-        k = keys[j]
+    for c in sorted(range(len(chains)), key=last.__getitem__):  # stable: equal keys keep rank order
+        k = last[c]
         n = len(k) >> 2
         lcp = len(prev) >> 2 if k.startswith(prev) else _lcp(prev, k)
         while len(stack) > 1 and start[stack[-1]] >= lcp:
             stack.pop()
         t = stack[-1]
         if end[t] > lcp:  # split t at lcp: a new upper node takes t's place on the path
-            u = len(start)
-            start.append(start[t])
-            end.append(lcp)
-            parent.append(parent[t])
-            first.append(first[t])
-            start[t] = lcp
-            parent[t] = u
-            stack[-1] = u
-            t = u
+            t = _split(start, end, parent, head, t, lcp)
+            stack[-1] = t
         if n > lcp:
             v = len(start)
             start.append(lcp)
             end.append(n)
             parent.append(t)
-            first.append(pos)
+            head.append(c)
             stack.append(v)
             t = v
-        end_node[j] = t
+        end_node[chains[c][-1]] = t
         prev = k
-    return start, end, parent, first, end_node, order
+    for members in chains:  # the shorter keys, longest first, up the path of the chain's last
+        v = end_node[members[-1]]
+        for j in reversed(members[:-1]):
+            n = _length(keys, j)
+            if n == 0:
+                end_node[j] = 0  # an empty key ends at the root
+                continue
+            while start[v] >= n:
+                v = parent[v]
+            if end[v] > n:
+                v = _split(start, end, parent, head, v, n)
+            end_node[j] = v
+    return (start, end, parent, *_preorder(start, parent, head, last, end_node))
+
+
+def _length(keys: Sequence[bytes], j: int) -> int:
+    """Tokens of key j (without building it where the keys know their lengths: :class:`shapes.Keys`)."""
+    return keys.length(j) if isinstance(keys, Keys) else len(keys[j]) >> 2
+
+
+def _split(start: list[int], end: list[int], parent: list[int], head: list[int], t: int, at: int) -> int:
+    """Split node t at depth ``at``: a new upper node takes t's place on the path; returns it."""
+    u = len(start)
+    start.append(start[t])
+    end.append(at)
+    parent.append(parent[t])
+    head.append(head[t])
+    start[t] = at
+    parent[t] = u
+    return u
+
+
+def _preorder(
+    start: list[int], parent: list[int], head: list[int], last: list[bytes], end_node: list[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """first, end_node and the sorted order of the keys, from a depth-first walk in key order."""
+    kids: list[list[int]] = [[] for _ in start]
+    for v in range(1, len(start)):
+        kids[parent[v]].append(v)
+    ending: list[list[int]] = [[] for _ in start]
+    for j, v in enumerate(end_node):
+        ending[v].append(j)  # rank order
+    first = [-1] * len(start)
+    order: list[int] = []
+    todo = [0]
+    while todo:
+        v = todo.pop()
+        if v:
+            first[v] = len(order)
+        order.extend(ending[v])
+        ch = kids[v]
+        if len(ch) > 1:  # siblings in the order of their first ids (big-endian bytes compare as the keys do)
+            ch.sort(key=lambda u: last[head[u]][start[u] * 4 : start[u] * 4 + 4])
+        todo.extend(reversed(ch))
+    return first, end_node, order
 
 
 def _split_generated(
@@ -286,7 +373,7 @@ def _rollout_trees(seqs: TreeSequences, given: dict[int, TreeNodes]) -> dict[int
         tree = given.get(r)
         if tree is None:
             sub = TreeSequences(
-                keys=[seqs.keys[j] for j in js],
+                keys=seqs.keys.take(js) if isinstance(seqs.keys, Keys) else [seqs.keys[j] for j in js],
                 plen=[seqs.plen[j] for j in js],
                 glen=[seqs.glen[j] for j in js],
                 call=[seqs.call[j] for j in js],

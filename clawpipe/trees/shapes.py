@@ -6,9 +6,41 @@ so neither of those imports the other's module for its types.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
+
+
+class Keys(Sequence[bytes]):
+    """Sequence keys built when asked for (``key_of(row)``), not held: a long rollout's keys replay its history
+    at every call, so all of them at once would hold every flattened token. ``length(j)`` is key j's length in
+    tokens without building it."""
+
+    def __init__(self, rows: list[int], key_of: Callable[[int], bytes], length_of: Callable[[int], int]) -> None:
+        self.rows = rows
+        self._key_of = key_of
+        self._length_of = length_of
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, j: int) -> bytes: ...
+    @overload
+    def __getitem__(self, j: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, j: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(j, slice):
+            return self.take(list(range(len(self.rows)))[j])
+        return self._key_of(self.rows[j])
+
+    def length(self, j: int) -> int:
+        return self._length_of(self.rows[j])
+
+    def take(self, js: list[int]) -> Keys:
+        """The keys of these positions, in this order."""
+        return Keys([self.rows[j] for j in js], self._key_of, self._length_of)
 
 
 @dataclass
@@ -20,7 +52,7 @@ class TreeSequences:
     failed call, whose prompt is context only); ``call[j]`` and ``rollout[j]`` small integer codes.
     """
 
-    keys: list[bytes]
+    keys: Sequence[bytes]  # a list, or :class:`Keys` built when asked for
     plen: list[int]
     glen: list[int]
     call: list[int]
