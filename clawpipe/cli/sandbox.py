@@ -276,7 +276,9 @@ def check_transcript(path: Path, task_set_name: str) -> bool:
 
     ts = get_task_set(task_set_name)
     contract = transcript_contract(ts)
-    typer.echo(f"  transcript vs {ts.name}: {contract.splitlines()[0] if contract else 'no contract stated'}")
+    # the contract's first paragraph, whole: its first line alone stopped mid-sentence
+    summary = " ".join(contract.split("\n\n")[0].split()) if contract else "no contract stated"
+    typer.echo(f"  transcript vs {ts.name}: {summary}")
     if contract.startswith("Transcript contract: none"):
         typer.echo(f"    {ts.name} reads no transcript: nothing to check")
         return True
