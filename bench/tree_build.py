@@ -18,7 +18,11 @@ the median of ``--repeat`` timings per batch:
   ``np.add.reduceat`` over the Arrow value buffers): reading the input once, the floor any builder pays;
 - peak RSS against the input size and the largest batch; what the builder adds to the peak of drawing and
   holding the same input without building (a first pass), against a measured floor: the bytes of the largest
-  batch's unique token ids themselves (int32; batches are built one at a time).
+  batch's unique token ids themselves (int32; batches are built one at a time);
+- long rollouts (``--long-turns``, 100 and 800 by default): one rollout whose every prompt replays the previous
+  prompt and answer (a system prompt, then 30 answer and 20 user ids per turn), built alone; unique tokens / s
+  at each length and their ratio (1 when the builder's work follows the unique tokens; the flattened tokens
+  grow with the square of the turns).
 
 Run: ``.venv/bin/python bench/tree_build.py`` (default 1,000 large rollouts, about a minute);
 ``--rollouts 200`` for a quick run. Last line: JSON, with the load average.
@@ -102,6 +106,58 @@ def naive_merge(rows: list[tuple[str, list[int], list[int]]]) -> int:
     return kept + len(current)
 
 
+def long_rollout(turns: int, seed: int = 0, system: int = 2000, answer: int = 30, user: int = 20) -> pa.Table:
+    """One rollout of ``turns`` calls, each prompt the previous prompt + answer + a user message (calls.sql rows)."""
+    rng = np.random.default_rng(seed)
+    history = rng.integers(0, 150_000, system + turns * (answer + user), dtype=np.int32)
+    plen = system + np.arange(turns, dtype=np.int64) * (answer + user)
+    p_off = np.zeros(turns + 1, dtype=np.int64)
+    np.cumsum(plen, out=p_off[1:])
+    prompts = np.concatenate([history[:n] for n in plen.tolist()])  # each call's prompt, as the lake holds it
+    completions = np.concatenate([history[n : n + answer] for n in plen.tolist()])  # replayed verbatim next turn
+    c_off = np.arange(turns + 1, dtype=np.int32) * answer
+    return pa.table(
+        {
+            "call_id": [f"long-{k}" for k in range(turns)],
+            "choice_index": pa.array(np.zeros(turns, dtype=np.int32)),
+            "rollout_id": ["long"] * turns,
+            "seq": pa.array(np.arange(turns, dtype=np.int64)),
+            "group_id": ["long-group"] * turns,
+            "status": ["ok"] * turns,
+            "token_source": ["upstream"] * turns,
+            "prompt_token_ids": pa.LargeListArray.from_arrays(pa.array(p_off), pa.array(prompts)),
+            "completion_token_ids": pa.ListArray.from_arrays(pa.array(c_off), pa.array(completions)),
+            "completion_logprobs": pa.ListArray.from_arrays(
+                pa.array(c_off), pa.array(np.full(turns * answer, -0.5, dtype=np.float32))
+            ),
+        }
+    )
+
+
+def long_rollouts(turns: list[int], repeat: int) -> dict[str, float]:
+    """Unique tokens / s of building one long rollout at each length (median of ``repeat``), and the ratio."""
+    out: dict[str, float] = {}
+    for n in turns:
+        t = long_rollout(n)
+        times = []
+        for _ in range(repeat):
+            t0 = time.process_time()
+            stats = build_forest(t, run_id="bench", iteration=0, scopes=("rollout",)).stats
+            times.append(time.process_time() - t0)
+        unique = int(pa.compute.sum(stats["unique_tokens"]).as_py())
+        flat = int(pa.compute.sum(stats["flattened_tokens"]).as_py())
+        out[f"turns_{n}_s"] = round(statistics.median(times), 4)
+        out[f"turns_{n}_unique_tokens"] = unique
+        out[f"turns_{n}_flattened_tokens"] = flat
+        out[f"turns_{n}_unique_tokens_per_s"] = round(unique / statistics.median(times))
+        del t
+    first, last = turns[0], turns[-1]
+    out["unique_rate_ratio"] = round(
+        out[f"turns_{last}_unique_tokens_per_s"] / out[f"turns_{first}_unique_tokens_per_s"], 2
+    )
+    return out
+
+
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -117,6 +173,7 @@ def main() -> None:
     ap.add_argument("--naive-rollouts", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="timings per batch; the median counts")
+    ap.add_argument("--long-turns", default="100,800", help="turns of the long rollouts, comma-separated ('' skips)")
     args = ap.parse_args()
     n_groups = max(1, args.rollouts // args.group_size)
 
@@ -188,6 +245,9 @@ def main() -> None:
     sub_unique = int(pa.compute.sum(sub_stats["unique_tokens"]).as_py())
     del rows, sub
 
+    long_turns = [int(x) for x in args.long_turns.split(",") if x.strip()]
+    long = long_rollouts(long_turns, args.repeat) if long_turns else {}
+
     rate = flat_total / t_build
     naive_rate = naive_flat / t_naive
     floor_rate = flat_total / t_floor
@@ -231,6 +291,7 @@ def main() -> None:
         "target_tokens_per_s": 20_000_000,
         "meets_rate_target": rate >= 20e6,
         "meets_floor_target": t_build / t_floor <= 10,
+        "long_rollout": long,
     }
     print(
         f"input: {res['rollouts']} rollouts of {args.shape} calls ({calls_total:,} rows, median "
@@ -259,6 +320,14 @@ def main() -> None:
         f"{res['builder_rss_vs_batch_unique_ids']:.1f}x the largest batch's {res['largest_batch_unique_ids_mb']} MB "
         f"of unique token ids (the floor; all batches: {res['unique_ids_mb']} MB)"
     )
+    if long:
+        lo, hi = long_turns[0], long_turns[-1]
+        print(
+            f"long rollout: {lo} turns {long[f'turns_{lo}_unique_tokens_per_s'] / 1e6:.2f} M unique tok/s, {hi} turns "
+            f"{long[f'turns_{hi}_unique_tokens_per_s'] / 1e6:.2f} M unique tok/s "
+            f"({long[f'turns_{hi}_flattened_tokens']:,} flattened); ratio {long['unique_rate_ratio']:.2f} "
+            "(1: the work follows the unique tokens)"
+        )
     res["load"] = [round(x, 1) for x in os.getloadavg()]  # shared machine: the load beside the figures
     print(json.dumps(res))
 
