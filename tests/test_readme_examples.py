@@ -62,6 +62,10 @@ def _options(cmd: Any) -> set[str]:
     return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
 
 
+def _default(cmd: Any, flag: str) -> Any:
+    return next((p.default for p in cmd.params if flag in p.opts), None)
+
+
 def _all_options(cmd: Any) -> set[str]:
     found = _options(cmd)
     for sub in getattr(cmd, "commands", {}).values():
@@ -88,10 +92,16 @@ def cli_mismatches(text: str, root: Any) -> list[str]:
                 continue
             if hasattr(cmd, "commands") and words and re.fullmatch(r"[a-z][a-z-]*", words[0]):
                 problems.append(f"clawpipe {' '.join(path)} {words[0]}: no such subcommand ({span[:80]!r})")
-            for word in words[: words.index("clawpipe") if "clawpipe" in words else len(words)]:
+            own = words[: words.index("clawpipe") if "clawpipe" in words else len(words)]
+            for word, after in zip(own, [*own[1:], ""][: len(own)], strict=True):
                 flag = re.match(r"\[?(--[a-z][\w-]*)", word)
                 if flag and flag.group(1) not in _options(cmd):
                     problems.append(f"clawpipe {' '.join(path)} has no {flag.group(1)} ({span[:80]!r})")
+                elif flag and word.startswith("[") and re.fullmatch(r"[\d.]+\]", after):
+                    # `[--flag N]` in a usage line shows the flag's default
+                    default = _default(cmd, flag.group(1))
+                    if default is None or float(after[:-1]) != float(default):
+                        problems.append(f"clawpipe {' '.join(path)} {flag.group(1)} defaults to {default}, not {after}")
         if span.startswith("--") and "clawpipe" not in span:
             for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", span):
                 if flag not in every_flag | FOREIGN_FLAGS:
@@ -220,6 +230,7 @@ def test_every_clawpipe_command_and_flag_the_docs_name_exists(doc: Path) -> None
         ("```bash\nclawpipe lake vacuum   # tidy\n```", "clawpipe lake vacuum: no such subcommand"),
         ("```bash\nclawpipe proxy --upstream U \\\n    [--max-body-mb 32] [--bogus 1]\n```", "has no --bogus"),
         ("`clawpipe frobnicate`", "clawpipe frobnicate: no such subcommand"),
+        ("`clawpipe proxy --upstream U [--max-body-mb 16]`", "--max-body-mb defaults to 32.0, not 16]"),
         ("`--kv-budget-token`", "no clawpipe command has --kv-budget-token"),
     ],
 )
