@@ -130,11 +130,13 @@ def _reader_gone() -> None:
     """stdout's reader closed the pipe (``clawpipe sql ... | head``): what it wanted was shown, so stop quietly.
     stdout is pointed at /dev/null so the interpreter's last flush does not raise again (Python's documented
     handling of SIGPIPE), and the exit status is 1, as for a write that did not complete."""
+    import contextlib
     import os
 
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor has nothing to flush
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     raise typer.Exit(1)
 
 
