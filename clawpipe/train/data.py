@@ -81,27 +81,73 @@ class TrainTree:
         return kids
 
     def pruned(self, keep_sequences: Sequence[TrainSequence]) -> TrainTree:
-        """The tree restricted to the tokens the given sequences pass through, positions renumbered."""
+        """The tree restricted to the tokens the given sequences pass through, positions renumbered.
+
+        Paths that share an array (views of one buffer: :meth:`NodeLayout.paths`) still share one after, and
+        when every token is kept they are kept as they are: renumbering each call's path on its own held every
+        call's whole history again."""
         used = np.zeros(self.n_tokens, dtype=bool)
         for s in keep_sequences:
             used[s.positions] = True
-        new_index = np.full(self.n_tokens, -1, dtype=np.int64)
-        new_index[used] = np.arange(int(used.sum()))
-        prev = self.prev[used]
-        prev = np.where(prev >= 0, new_index[np.maximum(prev, 0)], -1)
-        seqs = [
+        paths = [s.positions for s in keep_sequences]
+        if used.all():
+            tree = TrainTree(self.tree_id, self.token_ids, self.prev, self.depth)
+        else:
+            new_index = np.full(self.n_tokens, -1, dtype=np.int64)
+            new_index[used] = np.arange(int(used.sum()))
+            prev = self.prev[used]
+            prev = np.where(prev >= 0, new_index[np.maximum(prev, 0)], -1)
+            paths = _renumbered(paths, new_index)
+            tree = TrainTree(self.tree_id, self.token_ids[used], prev, self.depth[used])
+        tree.sequences = [
             TrainSequence(
                 call_id=s.call_id,
                 rollout_id=s.rollout_id,
-                positions=new_index[s.positions],
+                positions=path,
                 n_prompt=s.n_prompt,
                 old_logprobs=s.old_logprobs,
                 policy_version=s.policy_version,
                 choice_index=s.choice_index,
             )
-            for s in keep_sequences
+            for s, path in zip(keep_sequences, paths, strict=True)
         ]
-        return TrainTree(self.tree_id, self.token_ids[used], prev, self.depth[used], seqs)
+        return tree
+
+
+def _renumbered(paths: list[np.ndarray], new_index: np.ndarray) -> list[np.ndarray]:
+    """Each path through ``new_index``; paths that are runs of one array are renumbered together, once, and
+    come back as read-only views of one array again."""
+    extent: dict[int, tuple[np.ndarray, int, int]] = {}  # id(base) -> (base, first, end) of the runs used
+    starts: list[int] = []
+    for p in paths:
+        base = p.base
+        if not (isinstance(base, np.ndarray) and _is_slice_of(p, base)):
+            starts.append(-1)
+            continue
+        at = (p.ctypes.data - base.ctypes.data) // base.itemsize
+        starts.append(at)
+        _, lo, hi = extent.get(id(base), (base, at, at + len(p)))
+        extent[id(base)] = (base, min(lo, at), max(hi, at + len(p)))
+    # between runs a base may hold ids no path uses (a buffer's spare room): clipped, never handed out
+    done = {k: (lo, new_index.take(base[lo:hi], mode="clip")) for k, (base, lo, hi) in extent.items()}
+    out = []
+    for p, at in zip(paths, starts, strict=True):
+        if at < 0:
+            out.append(new_index[p])
+            continue
+        lo, renumbered = done[id(p.base)]
+        view = renumbered[at - lo : at - lo + len(p)]
+        view.flags.writeable = False
+        out.append(view)
+    return out
+
+
+def _is_slice_of(view: np.ndarray, base: np.ndarray) -> bool:
+    """Whether ``view`` is a contiguous 1-D run of the 1-D array ``base`` (same dtype)."""
+    if view.ndim != 1 or base.ndim != 1 or view.dtype != base.dtype or view.strides != base.strides:
+        return False
+    at = view.ctypes.data - base.ctypes.data
+    return at % base.itemsize == 0 and 0 <= at // base.itemsize <= len(base) - len(view)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -119,10 +165,11 @@ class NodeLayout:
     def paths(self, node_ids: Iterable[int]) -> dict[int, np.ndarray]:
         """Packed positions of the root-to-node path of each known node in ``node_ids`` (unknown ones left out).
 
-        One walk down the tree writes each node's positions at its depths into one buffer, so a path is a copy
-        of the buffer's head when the walk reaches its node: the paths cost their own length plus one visit per
-        node. (Walking up from each call's node to the root cost calls x nodes on the path: a rollout of n turns
-        is a chain of about n nodes, so n^2 steps.) Arrays of one node are shared and read-only."""
+        One walk down the tree writes each node's positions at its depths into a buffer, and a path is a
+        read-only view of the buffer's head when the walk reaches its node: calls that extend one another (a
+        harness's turns) share one array, so the paths hold about the unique tokens plus one copy of the prefix
+        per branch, not every call's whole history, and cost one visit per node. (Walking up from each call's
+        node to the root cost calls x nodes on the path: a rollout of n turns is a chain of about n nodes.)"""
         wanted = {v for v in node_ids if v in self.first}
         out: dict[int, np.ndarray] = {}
         if not wanted:
@@ -130,18 +177,39 @@ class NodeLayout:
         kids: dict[int, list[int]] = {}
         for v, p in self.parent.items():
             kids.setdefault(p, []).append(v)
-        buf = np.empty(sum(self.count.values()), dtype=np.int64)
+        height = self._heights(kids)
+        buf = np.empty(max((height[v] for v in kids.get(-1, ())), default=0), dtype=np.int64)
+        shared = 0  # the head of buf that views handed out hold: a branch written below it needs a new buffer
         stack = [(v, 0) for v in kids.get(-1, ())]
         while stack:
             v, d = stack.pop()
+            if d < shared or d + height[v] > len(buf):  # a later branch (or a taller one): its own buffer, with
+                # the prefix it shares copied once
+                fresh = np.empty(d + height[v], dtype=np.int64)
+                fresh[:d] = buf[:d]
+                buf, shared = fresh, 0
             first, n = self.first[v], self.count[v]
             buf[d : d + n] = np.arange(first, first + n)
             if v in wanted:
-                path = buf[: d + n].copy()
+                path = buf[: d + n]
                 path.flags.writeable = False
                 out[v] = path
+                shared = d + n
             stack.extend((c, d + n) for c in kids.get(v, ()))
         return out
+
+    def _heights(self, kids: dict[int, list[int]]) -> dict[int, int]:
+        """Tokens on the longest downward path from each node's first token (its own count included)."""
+        order: list[int] = []
+        todo = list(kids.get(-1, ()))
+        while todo:
+            v = todo.pop()
+            order.append(v)
+            todo.extend(kids.get(v, ()))
+        height: dict[int, int] = {}
+        for v in reversed(order):  # children before parents
+            height[v] = self.count[v] + max((height[c] for c in kids.get(v, ())), default=0)
+        return height
 
 
 def flatten_nodes(
@@ -151,14 +219,17 @@ def flatten_nodes(
 
     Each node's tokens take consecutive positions, nodes in node_id order, so a path is a few ranges.
     """
-    order = np.argsort(np.asarray(node_ids), kind="stable")
+    order = np.argsort(np.asarray(node_ids), kind="stable").tolist()
+    lists = [token_ids[k] for k in order]
+    counts = [len(t) if t is not None else 0 for t in lists]
+    firsts = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(counts, out=firsts[1:])
     last_of: dict[int, int] = {}  # node_id -> packed position of its last token (or its parent's, if empty)
     depth_of: dict[int, int] = {}  # node_id -> depth after its last token
     layout = NodeLayout({}, {}, {})
-    toks: list[int] = []
-    prev: list[int] = []
-    depth: list[int] = []
-    for k in order.tolist():
+    node_prev = np.empty(len(order), dtype=np.int64)  # the packed position before each node's first token
+    node_depth = np.empty(len(order), dtype=np.int64)  # the depth of each node's first token
+    for i, k in enumerate(order):
         pk = parent_ids[k]
         nid, pid = int(node_ids[k]), int(pk) if pk is not None else -1
         if pid >= 0 and pid not in last_of:
@@ -168,23 +239,21 @@ def flatten_nodes(
             )
         p_last = last_of[pid] if pid >= 0 else -1
         d = depth_of[pid] if pid >= 0 else 0
-        layout.first[nid], layout.parent[nid] = len(toks), pid
-        for t in token_ids[k] or ():
-            prev.append(p_last)
-            depth.append(d)
-            toks.append(int(t))
-            p_last = len(toks) - 1
-            d += 1
-        layout.count[nid] = len(toks) - layout.first[nid]
-        last_of[nid] = p_last
-        depth_of[nid] = d
-    tree = TrainTree(
-        tree_id,
-        np.asarray(toks, dtype=np.int64),
-        np.asarray(prev, dtype=np.int64),
-        np.asarray(depth, dtype=np.int64),
-    )
-    return tree, layout
+        first, n = int(firsts[i]), counts[i]
+        layout.first[nid], layout.parent[nid], layout.count[nid] = first, pid, n
+        node_prev[i], node_depth[i] = p_last, d
+        last_of[nid] = first + n - 1 if n else p_last
+        depth_of[nid] = d + n
+    # the tokens themselves, vectorised per node: each token's parent is the one before it, but a node's
+    # first token hangs under its parent node's last
+    total = int(firsts[-1])
+    pieces = [np.asarray(t, dtype=np.int64) for t, n in zip(lists, counts, strict=True) if n]
+    toks = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    n_per = np.asarray(counts, dtype=np.int64)
+    prev = np.arange(total, dtype=np.int64) - 1
+    prev[firsts[:-1][n_per > 0]] = node_prev[n_per > 0]
+    depth = np.arange(total, dtype=np.int64) - np.repeat(firsts[:-1] - node_depth, n_per)
+    return TrainTree(tree_id, toks, prev, depth), layout
 
 
 def tree_from_nodes(
