@@ -86,10 +86,9 @@ class TrainTree:
         Paths that share an array (views of one buffer: :meth:`NodeLayout.paths`) still share one after, and
         when every token is kept they are kept as they are: renumbering each call's path on its own held every
         call's whole history again."""
-        used = np.zeros(self.n_tokens, dtype=bool)
-        for s in keep_sequences:
-            used[s.positions] = True
         paths = [s.positions for s in keep_sequences]
+        used = np.zeros(self.n_tokens, dtype=bool)
+        _mark(used, paths)
         if used.all():
             tree = TrainTree(self.tree_id, self.token_ids, self.prev, self.depth)
         else:
@@ -114,10 +113,10 @@ class TrainTree:
         return tree
 
 
-def _renumbered(paths: list[np.ndarray], new_index: np.ndarray) -> list[np.ndarray]:
-    """Each path through ``new_index``; paths that are runs of one array are renumbered together, once, and
-    come back as read-only views of one array again."""
-    extent: dict[int, tuple[np.ndarray, int, int]] = {}  # id(base) -> (base, first, end) of the runs used
+def _runs_of(paths: list[np.ndarray]) -> tuple[dict[int, tuple[np.ndarray, list[tuple[int, int]]]], list[int]]:
+    """The paths that are runs of one array, grouped by that array: id(base) -> (base, [(start, end)]), and per
+    path its start in its base (-1 for a path of its own)."""
+    runs: dict[int, tuple[np.ndarray, list[tuple[int, int]]]] = {}
     starts: list[int] = []
     for p in paths:
         base = p.base
@@ -126,10 +125,37 @@ def _renumbered(paths: list[np.ndarray], new_index: np.ndarray) -> list[np.ndarr
             continue
         at = (p.ctypes.data - base.ctypes.data) // base.itemsize
         starts.append(at)
-        _, lo, hi = extent.get(id(base), (base, at, at + len(p)))
-        extent[id(base)] = (base, min(lo, at), max(hi, at + len(p)))
-    # between runs a base may hold ids no path uses (a buffer's spare room): clipped, never handed out
-    done = {k: (lo, new_index.take(base[lo:hi], mode="clip")) for k, (base, lo, hi) in extent.items()}
+        runs.setdefault(id(base), (base, []))[1].append((at, at + len(p)))
+    return runs, starts
+
+
+def _mark(used: np.ndarray, paths: list[np.ndarray]) -> None:
+    """Set ``used`` at every position of the paths; paths sharing an array are marked as the union of their
+    runs, so the calls of one lineage mark its tokens once, not each call's whole history again."""
+    runs, starts = _runs_of(paths)
+    for p, at in zip(paths, starts, strict=True):
+        if at < 0:
+            used[p] = True
+    for base, spans in runs.values():
+        spans.sort()
+        lo, hi = spans[0]
+        for a, b in spans[1:]:
+            if a > hi:
+                used[base[lo:hi]] = True
+                lo = a
+            hi = max(hi, b)
+        used[base[lo:hi]] = True
+
+
+def _renumbered(paths: list[np.ndarray], new_index: np.ndarray) -> list[np.ndarray]:
+    """Each path through ``new_index``; paths that are runs of one array are renumbered together, once, and
+    come back as read-only views of one array again."""
+    runs, starts = _runs_of(paths)
+    done = {}
+    for k, (base, spans) in runs.items():
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        # between runs a base may hold ids no path uses (a buffer's spare room): clipped, never handed out
+        done[k] = (lo, new_index.take(base[lo:hi], mode="clip"))
     out = []
     for p, at in zip(paths, starts, strict=True):
         if at < 0:

@@ -10,7 +10,9 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import pytest
 
+from clawpipe.train import data
 from clawpipe.train.batch import build_batch
 from clawpipe.train.config import TrainConfig
 from clawpipe.train.data import RolloutInfo, TrainSequence, TrainTree, attach_sequences, flatten_nodes
@@ -148,3 +150,36 @@ def test_pruning_keeps_shared_paths_shared_and_exact() -> None:
         assert p[0] == -1 and np.array_equal(p[1:], s.positions[:-1])
     shared = sum(np.shares_memory(a.positions, b.positions) for a, b in itertools.pairwise(pruned.sequences))
     assert shared > len(pruned.sequences) / 2
+
+
+class CountingMarks(np.ndarray):
+    """A bool array that counts the positions written into it (how pruning marks the tokens in use)."""
+
+    written = 0
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        CountingMarks.written += int(np.size(np.empty(len(self))[key]))
+        super().__setitem__(key, value)
+
+
+def test_pruning_a_long_rollout_marks_its_tokens_in_work_linear_in_its_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pruning a tree to its kept calls marks each lineage's tokens once (marking each call's whole path wrote the
+    flattened tokens: the square of the turns)."""
+    real_zeros = np.zeros
+
+    def zeros(shape: Any, dtype: Any = float, **kwargs: Any) -> np.ndarray:
+        out = real_zeros(shape, dtype=dtype, **kwargs)
+        return out.view(CountingMarks) if dtype is bool else out
+
+    written = {}
+    for turns in (100, 200):
+        _, _, tree = _attach(turns, subagent_every=25)
+        keep = [s for s in tree.sequences[1:] if len(s.positions) > 100]  # the sub-agents' calls go
+        CountingMarks.written = 0
+        with monkeypatch.context() as m:
+            m.setattr(data.np, "zeros", zeros)
+            pruned = tree.pruned(keep)
+        assert pruned.n_tokens < tree.n_tokens and len(pruned.sequences) == len(keep)
+        assert CountingMarks.written < 2 * tree.n_tokens < tree.flattened_tokens / 10
+        written[turns] = CountingMarks.written
+    assert written[200] / written[100] < 2.3, written
