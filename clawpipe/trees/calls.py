@@ -82,10 +82,8 @@ class CallBatch:
         return int(self.prompt.length[r]) + int(self.glen[r])
 
     def key(self, r: int) -> bytes:
-        """Row r's sequence (prompt + generated completion) as big-endian uint32 bytes.
-
-        Written from the ids where they lie, one row at a time: a big-endian copy of the whole batch's ids
-        beside the keys held as much again as the keys, which already hold every flattened token."""
+        """Row r's sequence (prompt + generated completion) as big-endian uint32 bytes, written from the ids
+        where they lie when the builder asks for it (no big-endian copy of the whole batch's ids is held)."""
         ps, pl = int(self.prompt.offset[r]), int(self.prompt.length[r])
         cs, gl = int(self.completion.offset[r]), int(self.glen[r])
         out = np.empty(pl + gl, dtype=">u4")
