@@ -250,8 +250,9 @@ def final_summary(state: RunState, seconds: float) -> dict[str, Any]:
     steps = [s["overlap"] for s in its if s.get("overlap")]
     if steps:
         dropped = sum(o["dropped_calls"] for o in steps)
+        age = max(o["max_age"] for o in steps)
         held_out += (
-            f"async: oldest trained call {max(o['max_age'] for o in steps)} versions behind, {dropped} stale calls "
+            f"async: oldest trained call {age} version{'' if age == 1 else 's'} behind, {dropped} stale calls "
             f"dropped, trainer waited {sum(o['trainer_wait_s'] for o in steps):.0f} s; "
         )
     md = (

@@ -94,3 +94,13 @@ def test_evaluation_runs_greedy_and_sampled_groups_and_reports_each() -> None:
     )
     assert summary["eval_reward_mean"] == 1.0 and summary["eval_sampled_reward_mean"] == 0.5
     assert iteration_metrics(summary)["eval/reward_sampled"] == 0.5
+
+
+@pytest.mark.parametrize(("age", "said"), [(1, "1 version behind"), (2, "2 versions behind"), (0, "0 versions behind")])
+def test_the_async_line_says_how_far_behind_in_plain_words(age: int, said: str) -> None:
+    state = RunState(run_id="r", config={}, policy_dir="/p")
+    s = _summary(0, 0.1)
+    s["overlap"] = {"max_age": age, "dropped_calls": 3, "trainer_wait_s": 2.0}
+    state.complete(s, peak_memory_mb=10.0)
+    md = final_summary(state, 5.0)["markdown"]
+    assert f"async: oldest trained call {said}, 3 stale calls dropped" in md
