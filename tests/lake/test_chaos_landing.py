@@ -1,0 +1,88 @@
+"""Landers and compactors SIGKILLed at random moments over one capture set: each call lands once, nothing stays.
+
+Without a proxy in the way, a kill falls in every window of a landing: a part being written or published, a
+sidecar, a rollouts merge, the manifest entry, a compaction's merge or its partition swap. A seeded RNG
+picks the moments (``CLAWPIPE_CHAOS_SEED`` reruns one; failures name it).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clawpipe.lake import land, run_audits, run_sql
+from tests.lake import fixtures as fx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _captures(cap: Path, n_segments: int, per_segment: int) -> int:
+    for s in range(n_segments):
+        frames = [
+            fx.record(call_id=f"s{s}-c{i}", rollout_id=f"r{s}", seq=i, iteration=s % 3) for i in range(per_segment)
+        ]
+        fx.write_segment(cap / f"proxy-{s:06d}.seg", frames)
+    fx.write_results(cap, [fx.rollout_row(f"r{s}", iteration=s % 3) for s in range(n_segments)])
+    return n_segments * per_segment
+
+
+def _start(cap: Path, lake: Path, what: str) -> subprocess.Popen[bytes]:
+    if what == "compact":
+        cmd = [sys.executable, "-m", "clawpipe", "lake", "compact", "--lake", str(lake)]
+    else:
+        code = "import sys; from clawpipe.lake import land; land(sys.argv[1], sys.argv[2], batch_bytes=8000, "
+        code += "row_group_bytes=3000)"
+        cmd = [sys.executable, "-c", code, str(cap), str(lake)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def leftovers(lake: Path) -> list[str]:
+    """Temporary and uncommitted files of the lake's writers (``_staging`` has its own test below)."""
+    left = [p for p in lake.rglob("*.inprogress") if "_staging" not in p.parts]
+    left += list((lake / "_manifest").glob("pending-*"))
+    return sorted(str(p.relative_to(lake)) for p in left)
+
+
+@pytest.mark.slow
+def test_random_kills_of_landers_and_compactors(tmp_path: Path) -> None:
+    seed = int(os.environ.get("CLAWPIPE_CHAOS_SEED") or 7)
+    rng = random.Random(seed)
+    cap, lake = tmp_path / "cap", tmp_path / "lake"
+    n = _captures(cap, 30, 30)
+    lake.mkdir()  # compaction refuses a lake folder that does not exist
+    kills = 0
+    rounds = 0
+    while kills < 30 and rounds < 80:
+        rounds += 1
+        roles = rng.choice([["land"], ["land"], ["land", "land"], ["compact"], ["land", "compact"]])
+        procs = [_start(cap, lake, r) for r in roles]
+        time.sleep(rng.uniform(0.25, 1.2))  # imports take ~0.3 s: most kills fall inside the work
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                kills += 1
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode in (0, -signal.SIGKILL), f"seed {seed}: exited {p.returncode}: {err.decode()[-2000:]}"
+        if rng.random() < 0.15:  # add captures between rounds, so landings keep finding new work
+            fx.write_segment(
+                cap / f"late-{rounds:04d}.seg",
+                [fx.record(call_id=f"late{rounds}-{i}", rollout_id="r0", seq=100 + i) for i in range(20)],
+            )
+            n += 20
+    assert kills >= 20, f"seed {seed}: only {kills} kills in {rounds} rounds"
+    land(cap, lake)
+    got = run_sql(lake, "select count(*) as n, count(distinct call_id) as d from model_calls").to_pylist()[0]
+    assert got == {"n": n, "d": n}, f"seed {seed}"
+    audits = run_audits(lake)
+    assert {k: v.num_rows for k, v in audits.items()} == dict.fromkeys(audits, 0), f"seed {seed}"
+    assert run_sql(lake, "select count(*) from rejects").column(0)[0].as_py() == 0, f"seed {seed}"
+    assert land(cap, lake).calls == 0, f"seed {seed}"
+    assert leftovers(lake) == [], f"seed {seed}: files left behind"
