@@ -4,7 +4,9 @@ It lives in ``<lake>/_manifest/`` as small JSON files, each written atomically:
 
 - ``pending-<batch>.json`` lists the part files a landing batch is writing (rewritten before each new one);
 - ``batch-<seq>.json`` commits the batch (its id inside): the source ranges it landed and its part files;
-- ``checkpoint-<seq>.json`` folds the batch entries up to ``seq`` into one (idempotent: state merges by maximum).
+- ``checkpoint-<seq>.json`` folds the batch entries up to ``seq`` into one (idempotent: state merges by maximum);
+- ``rolledback-<batch>.json`` (object stores) names the parts of a batch rolled back, which every load deletes
+  again for a day: a writer that lost its lease while paused may still publish a part it had checked for.
 
 A batch is committed by its ``batch-*`` file alone. On load, a pending batch without a commit is rolled
 back (its part files deleted), so a landing killed at any point and run again lands every record once.
@@ -26,6 +28,7 @@ import logging
 import os
 import posixpath
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +44,10 @@ log = logging.getLogger(__name__)
 
 DIR = "_manifest"
 CHECKPOINT_EVERY = 64  # batch entries before they are folded into a checkpoint
+ROLLED_BACK = "rolledback-"  # object stores: parts of a batch rolled back, deleted again by every load
+# How long a rolled-back batch's parts are deleted again: far longer than any pause of a writer that then
+# finishes publishing (a stopped process, a frozen VM); a writer that comes back later still fails its commit.
+ROLLED_BACK_KEEP_S = 24 * 3600.0
 
 
 @dataclass
@@ -116,9 +123,37 @@ def load(lake: LakeFS, lease: Lease | None = None) -> ManifestState:
         if name.startswith("pending-"):
             batch = name[len("pending-") : -5]
             if batch not in committed:
-                rollback(lake, batch)
+                parts = rollback(lake, batch)
+                if not lake.is_local and parts:
+                    _keep_rolled_back(lake, batch, parts)
             lake.delete(f"{DIR}/{name}")
+        elif name.startswith(ROLLED_BACK):
+            _roll_back_again(lake, name)
     return state
+
+
+def _keep_rolled_back(lake: LakeFS, batch: str, parts: list[str]) -> None:
+    """Remember the parts of a batch rolled back on an object store. Its writer may only be paused (a lease
+    expired under it): resumed, it can publish a part it had checked its lease for before the pause, and die
+    before its commit fails and it removes the part. Every later load deletes the parts again."""
+    body = orjson.dumps({"batch": batch, "parts": parts, "at": time.time()})
+    lake.write_bytes(f"{DIR}/{ROLLED_BACK}{batch}.json", body)
+
+
+def _roll_back_again(lake: LakeFS, name: str) -> None:
+    """Delete a rolled-back batch's parts again (nothing to do unless its writer came back), and forget the
+    batch once no writer can still be running it."""
+    try:
+        entry = orjson.loads(lake.read_bytes(f"{DIR}/{name}"))
+    except FileNotFoundError:
+        return
+    except orjson.JSONDecodeError:
+        entry = {}
+    for part in entry.get("parts", []):
+        lake.delete(part)
+        lake.delete(part + TMP_SUFFIX)
+    if time.time() - float(entry.get("at", 0)) > ROLLED_BACK_KEEP_S:
+        lake.delete(f"{DIR}/{name}")
 
 
 def check_writer(state: ManifestState) -> None:
@@ -130,15 +165,18 @@ def check_writer(state: ManifestState) -> None:
         )
 
 
-def rollback(lake: LakeFS, batch: str) -> None:
+def rollback(lake: LakeFS, batch: str) -> list[str]:
+    """Delete the parts an uncommitted batch's pending record names; returns them."""
     try:
         pending = orjson.loads(lake.read_bytes(f"{DIR}/pending-{batch}.json"))
     except FileNotFoundError:
-        return  # a batch that wrote no part (or was rolled back already)
-    for part in pending.get("parts", []):
+        return []  # a batch that wrote no part (or was rolled back already)
+    parts = [str(p) for p in pending.get("parts", [])]
+    for part in parts:
         lake.delete(part)
         lake.delete(part + TMP_SUFFIX)
-    log.warning("rolled back uncommitted landing batch=%s parts=%d", batch, len(pending.get("parts", [])))
+    log.warning("rolled back uncommitted landing batch=%s parts=%d", batch, len(parts))
+    return parts
 
 
 def write_pending(lake: LakeFS, batch: str, parts: list[str]) -> None:

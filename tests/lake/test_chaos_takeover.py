@@ -15,9 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
-from clawpipe.lake import land, run_sql
+from clawpipe import schemas
+from clawpipe.lake import land, manifest, run_sql
+from clawpipe.lake.lease import Lease
 from clawpipe.tables import LakeFS
 from tests.lake import fixtures as fx
 from tests.support.s3 import s3_bucket, s3_server  # noqa: F401  (a real S3 server, moto, and a bucket per test)
@@ -113,3 +116,43 @@ def test_bucket_lake_a_resumed_holder_commits_nothing_after_a_takeover(
     assert _pending(lake) == []
     assert not [f for f in lake.list_files("model_calls") if f.endswith(".inprogress")]
     assert land(cap, lake_url).calls == 0
+
+
+@pytest.mark.slow
+def test_bucket_lake_a_part_a_resumed_holder_publishes_after_the_takeover_is_rolled_back(
+    s3_bucket: str,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The holder was paused between its lease check and publishing a part; the taker rolled its batch back
+    before the part existed. Resumed, it publishes the part and dies before its commit fails: the next
+    landing must still roll that part back, or its calls are in the lake twice."""
+    monkeypatch.setenv("CLAWPIPE_CAPTURE_CACHE", str(tmp_path / "cache"))
+    cap = tmp_path / "cap"
+    lake_url = f"{s3_bucket}/lake"
+    lake = LakeFS(lake_url)
+    n = _captures(cap, 1, 10)
+    held = Lease(lake, ttl_s=1.0)
+    held.acquire()
+    held._stop.set()  # paused: no more renewals
+    assert held._thread is not None
+    held._thread.join()
+    manifest.load(lake, held)
+    part = "model_calls/run_id=run1/iteration=0/part-zombie.parquet"
+    manifest.write_pending(lake, "zombie", [part])  # what the holder's batch recorded before it paused
+    time.sleep(1.3)
+    assert land(cap, lake_url).calls == n  # took the expired lease over, rolled the batch back, landed all
+    # the holder resumes: its part goes up (as its publishing would), and it dies there
+    rows = [
+        {"call_id": f"s0-c{i}", "choice_index": 0, "run_id": "run1", "iteration": 0, "rollout_id": "r0"}
+        for i in range(n)
+    ]
+    lake.write_parquet(part, pa.Table.from_pylist(rows, schema=schemas.MODEL_CALLS))
+    assert land(cap, lake_url).calls == 0
+    assert _counts(lake_url) == {"n": n, "d": n}
+    assert _pending(lake) == []
+    record = f"{manifest.DIR}/{manifest.ROLLED_BACK}zombie.json"
+    assert lake.exists(record)  # kept while the paused writer may still come back
+    monkeypatch.setattr(manifest, "ROLLED_BACK_KEEP_S", 0.0)
+    assert land(cap, lake_url).calls == 0
+    assert not lake.exists(record)  # forgotten once no writer can still be running that batch
