@@ -175,6 +175,11 @@ def rollback(lake: LakeFS, batch: str) -> list[str]:
     for part in parts:
         lake.delete(part)
         lake.delete(part + TMP_SUFFIX)
+    if lake.is_local:
+        # a kill inside a small file's write (a sidecar: temp name, then rename) leaves its temporary file
+        # beside the part; only lock holders write these folders, and the caller holds the lock
+        for folder in sorted({posixpath.dirname(p) for p in parts}):
+            sweep_temporary(lake, folder)
     log.warning("rolled back uncommitted landing batch=%s parts=%d", batch, len(parts))
     return parts
 

@@ -86,3 +86,22 @@ def test_random_kills_of_landers_and_compactors(tmp_path: Path) -> None:
     assert run_sql(lake, "select count(*) from rejects").column(0)[0].as_py() == 0, f"seed {seed}"
     assert land(cap, lake).calls == 0, f"seed {seed}"
     assert leftovers(lake) == [], f"seed {seed}: files left behind"
+
+
+def test_a_landing_killed_while_writing_a_sidecar_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """A kill inside a sidecar's write (temp name, then rename) leaves ``<part>.ids.<x>.inprogress`` beside the
+    published part; the next landing rolls the batch back and removes that file with its part."""
+    cap, lake = tmp_path / "cap", tmp_path / "lake"
+    n = _captures(cap, 4, 10)
+    code = "import sys; from clawpipe.lake import land; land(sys.argv[1], sys.argv[2])"
+    env = {**os.environ, "CLAWPIPE_LAKE_CRASH_BEFORE_COMMIT": "1"}  # SIGKILL once the parts are published
+    proc = subprocess.run([sys.executable, "-c", code, str(cap), str(lake)], cwd=ROOT, env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    parts = sorted(lake.glob("model_calls/*/*/part-*.parquet"))
+    assert parts
+    for part in parts:  # what the same kill one step earlier, inside the sidecar's write, leaves
+        part.with_suffix(".ids.0badc0de.inprogress").write_bytes(b"\x00" * 5)
+    land(cap, lake)
+    got = run_sql(lake, "select count(*) as n, count(distinct call_id) as d from model_calls").to_pylist()[0]
+    assert got == {"n": n, "d": n}
+    assert leftovers(lake) == []
