@@ -504,12 +504,17 @@ def append_result(path: str | os.PathLike[str], row: dict[str, Any]) -> None:
     """Append one rollout result row as a JSON line and fsync it (rollouts are few; safety wins).
 
     A write that fails part-way (a full disk) is cut off again, so the file never holds a torn line that a
-    later row would be glued to; the error says why (:func:`write_failure`).
+    later row would be glued to; the error says why (:func:`write_failure`). A torn line that a killed writer
+    left is ended first: it lands as one reject, and this row after it.
     """
     line = (json.dumps(row, separators=(",", ":"), default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            # a writer killed inside its write; ending its line costs at most an empty line (skipped by
+            # readers) where another writer was still appending
+            line = b"\n" + line
         try:
             view = memoryview(line)
             while view:
