@@ -17,31 +17,39 @@ from tests.lake import fixtures as fx
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Appends result rows of 8 MB each (a long stderr_tail) until killed: a kill inside one write leaves a torn line.
+# Appends result rows of 32 MB each (a long stderr_tail) until killed: a kill inside one write leaves a torn line.
 _WRITER = """
 import sys
 from clawpipe.capture import append_result
 from tests.lake import fixtures as fx
 path = sys.argv[1]
 for i in range(1000):
-    append_result(path, fx.rollout_row(f"big{i}", stderr_tail="x" * (8 << 20)))
+    append_result(path, fx.rollout_row(f"big{i}", stderr_tail="x" * (32 << 20)))
 """
 
 
 def _torn_by_a_kill(path: Path) -> int:
-    """Kill a writer of ``path`` until a kill leaves a torn last line; returns the torn line's offset."""
-    for attempt in range(20):
+    """Kill a writer of ``path`` while a line is half written; returns the torn line's offset."""
+    for _attempt in range(20):
+        path.unlink(missing_ok=True)
         proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], cwd=ROOT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (not path.exists() or path.stat().st_size < 1 << 20):
-            time.sleep(0.001)
-        time.sleep(0.01 * (attempt % 5))  # kill at varied depths into a write
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            size = path.stat().st_size if path.exists() else 0
+            if size and not _ends_a_line(path, size):  # a write under way: kill it there
+                break
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        data = path.read_bytes()
+        data = path.read_bytes() if path.exists() else b""
         if data and not data.endswith(b"\n"):
             return data.rfind(b"\n") + 1
     raise AssertionError("20 kills in a row fell between two writes")
+
+
+def _ends_a_line(path: Path, size: int) -> bool:
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) == b"\n"
 
 
 @pytest.mark.slow
