@@ -279,6 +279,7 @@ def connect(
     *,
     tables: tuple[str, ...] | None = None,
     files: dict[str, list[str]] | None = None,
+    partition: tuple[str, int] | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per lake table (sql/views/<table>.sql).
 
@@ -288,9 +289,18 @@ def connect(
 
     ``files`` (from :func:`table_files`) pins each table view to those Parquet files instead of a glob
     that DuckDB expands at every query: the connection then needs access to those files and no others.
+
+    ``partition`` = (run_id, iteration) pins the views of the partitioned tables to that one partition's
+    files (:func:`partition_files`): a view over the whole lake opens every file of its table when it is
+    created (to unite their columns by name), so a per-iteration query would cost what the lake holds;
+    pinned, it costs what its iteration holds. Queries still filter by run_id and iteration as they would.
     """
     lake = lake_root if isinstance(lake_root, LakeFS) else LakeFS(lake_root)
     check_format(lake)
+    if partition is not None:
+        if files is not None:
+            raise LakeError("connect takes files or partition, not both")
+        files = partition_files(lake, partition[0], partition[1], tables or tuple(TABLES))
     con = duckdb.connect()
     if not lake.is_local:
         con.register_filesystem(lake.fsspec)
@@ -408,6 +418,21 @@ def table_files(lake: LakeFS) -> dict[str, list[str]]:
         # a compaction recorded while we listed may have published its files meanwhile: list again
         # (records stay until the next compaction starts, so one that began after `records` is seen here)
         if lake.is_local or _compaction_hidden(lake)[0] == records:
+            return {name: [lake.file_url(f) for f in files if f not in hidden] for name, files in listed.items()}
+
+
+def partition_files(lake: LakeFS, run_id: str, iteration: int, names: tuple[str, ...]) -> dict[str, list[str]]:
+    """:func:`table_files` for the tables ``names`` with the partitioned ones restricted to the partition
+    (run_id, iteration): what is listed (and later opened) is that partition's files, not the lake's."""
+    while True:
+        records, hidden = (frozenset(), set()) if lake.is_local else _compaction_hidden(lake)
+        listed = {
+            name: lake.list_files(
+                partition_rel(name, run_id, iteration) if name in PARTITIONED else name, suffix=".parquet"
+            )
+            for name in names
+        }
+        if lake.is_local or _compaction_hidden(lake)[0] == records:  # as table_files: a compaction meanwhile
             return {name: [lake.file_url(f) for f in files if f not in hidden] for name, files in listed.items()}
 
 

@@ -121,7 +121,7 @@ def landed_batch(settings: Settings, cfg: PipelineConfig, run_id: str, iteration
     from clawpipe.sqlfiles import sql_text
     from clawpipe.tables import connect
 
-    con = connect(settings.lake_dir, tables=("rollouts",))
+    con = connect(settings.lake_dir, tables=("rollouts",), partition=(run_id, int(iteration)))
     params = {"run_id": run_id, "iteration": int(iteration)}
     try:
         groups = con.sql(sql_text("pipeline/landed_groups"), params=params).fetchall()
@@ -137,7 +137,7 @@ def call_ages(settings: Settings, run_id: str, iteration: int, policy_version: i
     from clawpipe.sqlfiles import sql_text
     from clawpipe.tables import connect
 
-    con = connect(settings.lake_dir, tables=("model_calls", "rollouts"))
+    con = connect(settings.lake_dir, tables=("model_calls", "rollouts"), partition=(run_id, int(iteration)))
     try:
         rows = con.sql(
             sql_text("pipeline/call_ages"), params={"run_id": run_id, "iteration": int(iteration)}

@@ -37,7 +37,7 @@ def harness_details(lake_dir: str | Path, run_id: str, iteration: int) -> dict[s
     from clawpipe.sqlfiles import sql_text
     from clawpipe.tables import connect
 
-    con = connect(lake_dir, tables=("model_calls", "rollouts", "tree_stats"))
+    con = connect(lake_dir, tables=("model_calls", "rollouts", "tree_stats"), partition=(run_id, int(iteration)))
     try:
         rel = con.sql(sql_text("pipeline/harness_summary"), params={"run_id": run_id, "iteration": int(iteration)})
         names = rel.columns

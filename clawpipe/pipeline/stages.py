@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.config import Settings
-from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.errors import ConfigError, SandboxError, TreeError
 from clawpipe.pipeline import provenance
 from clawpipe.pipeline.config import PipelineConfig
 from clawpipe.pipeline.services import Services
@@ -381,15 +381,21 @@ def render_example_tree(
     """Render the iteration's most branched rollout tree: text (for the artifact) and one HTML file."""
     from clawpipe.sqlfiles import sql_text
     from clawpipe.tables import connect
-    from clawpipe.trees.render import load_decoder, read_tree_nodes, render_html, render_text
+    from clawpipe.trees.render import load_decoder, render_html, render_text
 
-    con = connect(settings.lake_dir, tables=("tree_stats",))
+    # the iteration's own files: a connection over the whole lake opens every tree file of the run at its start
+    con = connect(settings.lake_dir, tables=("tree_stats", "tree_nodes"), partition=(run_id, int(iteration)))
     params = {"run_id": run_id, "iteration": int(iteration)}
-    rows = con.sql(sql_text("pipeline/example_tree"), params=params).fetchall()
-    if not rows:
-        return {}
-    tree_id = str(rows[0][0])
-    nodes = read_tree_nodes(settings.lake_dir, tree_id, run_id=run_id, iteration=iteration)
+    try:
+        rows = con.sql(sql_text("pipeline/example_tree"), params=params).fetchall()
+        if not rows:
+            return {}
+        tree_id = str(rows[0][0])
+        nodes = con.sql(sql_text("trees/show"), params={**params, "tree_id": tree_id}).to_arrow_table().to_pylist()
+    finally:
+        con.close()
+    if not nodes:
+        raise TreeError(f"tree {tree_id!r} of run {run_id} iteration {iteration} has stats but no nodes; rebuild it")
     decode = load_decoder(tokenizer_dir)
     out_dir = out_dir or settings.runs_dir / run_id / "trees"
     out_dir.mkdir(parents=True, exist_ok=True)
