@@ -3,7 +3,8 @@
 A writer holds an exclusive ``flock`` on its open segment, so an ``.open`` segment whose lock is free belongs to
 a writer that died (a crash, a kill, a full disk that stopped it mid-frame): what it wrote whole is kept, the
 incomplete frame after the last intact one is cut (:func:`clawpipe.capture.recover_segment`), and the segment
-is renamed to ``.seg`` for landing.
+is renamed to ``.seg`` for landing. A writer's new segment has a free lock for a moment after it is created,
+so the writer checks, once it holds the lock, that its file was not sealed meanwhile (:func:`still_named`).
 """
 
 from __future__ import annotations
@@ -47,3 +48,13 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def still_named(path: Path, fd: int) -> bool:
+    """Whether ``path`` is still the file open at ``fd`` (not renamed or removed by a recovery)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_ino, st.st_dev) == (own.st_ino, own.st_dev)

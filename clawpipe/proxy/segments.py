@@ -42,7 +42,7 @@ from typing import Any
 
 from clawpipe import capture, objstore
 from clawpipe.errors import CaptureError
-from clawpipe.proxy.recovery import fsync_dir, recover_dead_segments
+from clawpipe.proxy.recovery import fsync_dir, recover_dead_segments, still_named
 from clawpipe.proxy.upload import Uploader
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 Done = Callable[[BaseException | None], None]
 UPLOAD_ENV = "CLAWPIPE_CAPTURE_UPLOAD"  # "0": never upload, even with an object-store lake
 PROBE_EVERY_S = 1.0  # while writes fail: how often an idle writer checks whether the directory took space again
+OPEN_TRIES = 8  # fresh segment names tried when starting proxies keep sealing the new one before it is locked
 PROBE_BYTES = 64 << 10  # a probe write of this size must succeed before capture counts as healthy again
 
 
@@ -182,17 +183,33 @@ class SegmentWriter:
 
     # --- writer thread -------------------------------------------------------------------------------
     def _open_segment(self) -> None:
-        path = self.directory / f"{self.instance}-{self._n:06d}{capture.OPEN_SUFFIX}"
-        self._n += 1
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fsync_dir(self.directory)
-        except OSError:  # no descriptor left for the directory, say: no half-made segment stays behind
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        self._fd, self._path, self._size, self._opened_at = fd, path, 0, time.monotonic()
+        for _ in range(OPEN_TRIES):
+            path = self.directory / f"{self.instance}-{self._n:06d}{capture.OPEN_SUFFIX}"
+            self._n += 1
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a starting proxy holds it, taking it for a dead one's: it seals it
+                os.close(fd)
+                continue
+            except OSError:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+            if not still_named(path, fd):
+                # created, then sealed by a starting proxy before we locked it (a new segment's free lock looks
+                # like a dead writer's): records written to it now would land after it was landed as finished
+                os.close(fd)
+                continue
+            try:
+                fsync_dir(self.directory)
+            except OSError:  # no descriptor left for the directory, say: no half-made segment stays behind
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+            self._fd, self._path, self._size, self._opened_at = fd, path, 0, time.monotonic()
+            return
+        raise OSError(errno.EBUSY, f"could not open a segment in {self.directory}: {OPEN_TRIES} were sealed by others")
 
     def _seal_current(self) -> None:
         fd, path, size = self._fd, self._path, self._size
