@@ -225,6 +225,16 @@ class LakeFS:
         except FileNotFoundError:
             pass
 
+    def link(self, src: str, dst: str) -> None:
+        """Make ``dst`` a second name of the file ``src`` (a hard link locally; a copy on object stores)."""
+        parent = posixpath.dirname(dst)
+        if parent:
+            self.makedirs(parent)
+        if self.is_local:
+            os.link(self.full(src), self.full(dst))
+        else:
+            self.fs.copy_file(self.full(src), self.full(dst))
+
     def swap_dir(self, staged: str, target: str) -> None:
         """Put directory ``staged`` at ``target``; the old ``target`` (if any) ends at ``staged``.
 

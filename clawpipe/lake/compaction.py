@@ -34,12 +34,8 @@ from clawpipe.tables import COMPACT_PREFIX, STAGING, TMP_SUFFIX, LakeFS, conform
 
 log = logging.getLogger(__name__)
 
-# rollouts: landings add a part per landing with new results (each rollout_id in one part, so merging the parts
-# as they are keeps the latest attempt of each); tree tables are rewritten whole, never fragmented
-COMPACTED = ("model_calls", "rollouts", "rejects")
-# Parts a partition of these tables holds at least before it is merged (rollout rows are few and small: a
-# handful of parts costs a reader nothing worth a rewrite)
-LEAST_FILES = {"rollouts": 16}
+# rollouts merge their own parts as they land (clawpipe/lake/rollouts.py); tree tables are rewritten whole
+COMPACTED = ("model_calls", "rejects")
 
 
 @dataclass
@@ -206,8 +202,7 @@ def finish_interrupted(lake: LakeFS) -> int:
 def compact(
     lake_root: str | os.PathLike[str], *, min_files: int = 2, max_rows_per_file: int = 2_000_000
 ) -> CompactionReport:
-    """Compact every partition of model_calls (and the rejects table) holding ``min_files`` or more parts, and
-    every rollouts partition holding that many and at least :data:`LEAST_FILES` of them."""
+    """Compact every partition of model_calls (and the rejects table) holding ``min_files`` or more parts."""
     t0 = time.perf_counter()
     lake = LakeFS(lake_root)
     report = CompactionReport()
@@ -218,7 +213,7 @@ def compact(
         for table in COMPACTED:
             for rel in _partition_dirs(lake, table):
                 files = lake.list_files(rel, suffix=".parquet")
-                if len(files) >= max(min_files, LEAST_FILES.get(table, 0)):
+                if len(files) >= min_files:
                     _compact_dir(lake, table, rel, files, max_rows_per_file, report)
     report.seconds = time.perf_counter() - t0
     log.info(

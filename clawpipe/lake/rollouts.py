@@ -1,22 +1,24 @@
 """Rollout result rows -> the ``rollouts`` table: each line checked against schemas.ROLLOUTS, and merged into
 its partition so that per rollout_id the latest attempt wins.
 
-A partition holds each rollout_id once, in one of its part files. A landing whose rows are all new to the
-partition (the usual case: results of rollouts that just finished) adds them as one more part, reading only
-the ``rollout_id`` and ``attempt`` columns of the parts already there, so N landings of an iteration's results
-cost the rows they bring, not N times the partition. Only a landing that brings a later attempt of a rollout
-the partition holds (a retry) rewrites the partition, atomically, with that row replaced; a stale attempt
-(lower than the held one) is dropped. Compaction merges the parts (:mod:`clawpipe.lake.compaction`).
+A partition holds each rollout_id once. A landing reads only the ``rollout_id`` and ``attempt`` columns of the
+rows landed before, then writes its rows as a new part merged with the partition's small parts: the parts it
+takes are those no larger than what is merged so far (smallest first), so part sizes grow geometrically, a
+partition holds a few parts (about log2 of its landings) and each row is rewritten a few times over the
+partition's life. N landings of an iteration's results (async mode lands every few seconds) therefore cost
+about their own rows each, not the partition. A part holding a row that a landed row supersedes (a retry: a
+later or equal attempt) is merged too, without that row; a stale attempt is dropped. The partition changes in
+one atomic swap (:meth:`clawpipe.tables.LakeFS.swap_dir`): its untouched parts are linked into the staged copy.
 """
 
 from __future__ import annotations
 
 import logging
+import posixpath
 import uuid
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from clawpipe import schemas, tables
 from clawpipe.lake import rows
@@ -24,7 +26,7 @@ from clawpipe.tables import TMP_SUFFIX, LakeFS
 
 log = logging.getLogger(__name__)
 
-KEY_COLUMNS = ("rollout_id", "attempt")  # all a landing reads of the rows a partition holds already
+KEY_COLUMNS = ("rollout_id", "attempt")  # all a landing reads of the parts it does not merge
 
 
 def coerce_rollout(row: dict[str, Any]) -> dict[str, Any]:
@@ -36,83 +38,98 @@ def coerce_rollout(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _attempt(row: dict[str, Any]) -> int:
+    return row.get("attempt") or 0
+
+
 def _latest(ordered: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per rollout_id the row with the highest attempt, the later of equal ones (insertion order kept)."""
+    """Per rollout_id the row with the highest attempt, the later of equal ones."""
     best: dict[str, dict[str, Any]] = {}
     for row in ordered:
         cur = best.get(row["rollout_id"])
-        if cur is None or (row.get("attempt") or 0) >= (cur.get("attempt") or 0):
+        if cur is None or _attempt(row) >= _attempt(cur):
             best[row["rollout_id"]] = row
     return best
 
 
-def held_attempts(lake: LakeFS, rel: str, parts: list[str]) -> dict[str, int]:
-    """rollout_id -> attempt of the rows the ``parts`` of the partition at ``rel`` hold (their key columns only;
-    a part written before ``attempt`` existed counts as attempt 0)."""
-    held: dict[str, int] = {}
-    for part in parts:
-        names = pq.read_schema(lake.full(part), filesystem=lake.fs).names
-        table = lake.read_parquet(part, columns=[c for c in KEY_COLUMNS if c in names])
-        ids = table.column("rollout_id").to_pylist()
-        attempts = table.column("attempt").to_pylist() if "attempt" in names else [0] * len(ids)
-        for rid, attempt in zip(ids, attempts, strict=True):
-            a = attempt or 0
-            if rid not in held or a >= held[rid]:
-                held[rid] = a
-    return held
+def _keys(lake: LakeFS, part: str) -> tuple[list[str], list[int]]:
+    """The rollout ids and attempts a part holds (a part written before ``attempt`` existed: attempt 0)."""
+    try:
+        table = lake.read_parquet(part, columns=list(KEY_COLUMNS))
+    except pa.ArrowInvalid:  # no attempt column
+        ids = lake.read_parquet(part, columns=["rollout_id"]).column("rollout_id").to_pylist()
+        return ids, [0] * len(ids)
+    return table.column("rollout_id").to_pylist(), [a or 0 for a in table.column("attempt").to_pylist()]
 
 
 def merge_rollouts(lake: LakeFS, run_id: str, iteration: int, new_rows: list[dict[str, Any]]) -> None:
     """Merge ``new_rows`` into their rollouts partition; per rollout_id the latest attempt wins (highest
-    ``attempt``, then the later landed). Rows new to the partition become one more part; a retry of a row it
-    holds rewrites it (:func:`_rewrite`)."""
+    ``attempt``, then the later landed)."""
     rel = tables.partition_rel("rollouts", run_id, iteration)
-    fresh = _latest(new_rows)
     files = lake.list_files(rel, recursive=False)
     for left in (f for f in files if f.endswith(TMP_SUFFIX)):
-        lake.delete(left)  # a part whose append was killed mid-write (only the lake's lock holder writes here)
-    parts = [f for f in files if f.endswith(".parquet")]
-    held = held_attempts(lake, rel, parts)
-    if any(rid in held and (row.get("attempt") or 0) >= held[rid] for rid, row in fresh.items()):
-        _rewrite(lake, rel, parts, new_rows)
+        lake.delete(left)  # a write killed before its swap (only the lake's lock holder writes here)
+    held: dict[str, tuple[int, str]] = {}  # rollout_id -> (attempt, part)
+    sizes: dict[str, int] = {}
+    for part in (f for f in files if f.endswith(".parquet")):
+        ids, attempts = _keys(lake, part)
+        sizes[part] = len(ids)
+        for rid, attempt in zip(ids, attempts, strict=True):
+            held[rid] = (attempt, part)
+    fresh = [
+        row for rid, row in _latest(new_rows).items() if rid not in held or _attempt(row) >= held[rid][0]
+    ]  # the others are stale attempts: dropped
+    if not fresh:
         return
-    added = [row for rid, row in fresh.items() if rid not in held]  # the others are stale attempts: dropped
-    if added:
-        _append(lake, f"{rel}/part-{uuid.uuid4().hex}.parquet", pa.Table.from_pylist(added, schema=schemas.ROLLOUTS))
+    superseded = {held[r["rollout_id"]][1] for r in fresh if r["rollout_id"] in held}
+    take = _parts_to_merge(sizes, len(fresh), superseded)
+    _write(lake, rel, list(sizes), take, fresh)
 
 
-def _append(lake: LakeFS, part: str, table: pa.Table) -> None:
-    """Publish ``table`` as the part ``part`` (renamed into place whole), leaving no temporary file when the
-    write fails (a full disk)."""
-    try:
-        lake.write_parquet(part, table)
-    except BaseException:
-        lake.delete(part + TMP_SUFFIX)
-        raise
+def _parts_to_merge(sizes: dict[str, int], n_new: int, must: set[str]) -> list[str]:
+    """The parts to rewrite with ``n_new`` rows: those in ``must``, then the smallest others while each holds
+    no more rows than all taken so far (a binary counter: few parts, each row rewritten a few times)."""
+    take = sorted(must)
+    merged = n_new + sum(sizes[p] for p in take)
+    for part, n in sorted(((p, n) for p, n in sizes.items() if p not in must), key=lambda pn: (pn[1], pn[0])):
+        if n > merged:
+            break
+        take.append(part)
+        merged += n
+    return take
 
 
-def _rewrite(lake: LakeFS, rel: str, parts: list[str], new_rows: list[dict[str, Any]]) -> None:
-    """Rewrite the partition at ``rel`` as one part of its rows and ``new_rows``, the latest attempt of each
-    rollout_id (a landing that brings a retry of a row the partition holds)."""
-    existing: list[dict[str, Any]] = []
-    file_schemas: list[pa.Schema] = []
-    for part in parts:
-        table = lake.read_parquet(part)
-        file_schemas.append(table.schema)
-        existing.extend(table.to_pylist())
+def _write(lake: LakeFS, rel: str, parts: list[str], take: list[str], fresh: list[dict[str, Any]]) -> None:
+    """Swap in the partition at ``rel`` holding its parts not in ``take`` as they are, and one part of the rows
+    of ``take`` less those ``fresh`` supersedes, plus ``fresh``."""
+    new_ids = {r["rollout_id"] for r in fresh}
+    tables_in: list[pa.Table] = []
+    for part in take:
+        t = lake.read_parquet(part)
+        keep = [rid not in new_ids for rid in t.column("rollout_id").to_pylist()]
+        tables_in.append(t.filter(pa.array(keep, type=pa.bool_())))
     # columns a later clawpipe wrote stay with their rows (a new row has them NULL)
-    schema = tables.keep_unknown_columns(schemas.ROLLOUTS, file_schemas, f"{lake.url}/{rel}")
-    merged = list(_latest(existing + new_rows).values())
-    log.info("rewrote rollouts partition %s: %d rows, a later attempt of a rollout it held", rel, len(merged))
-    _replace(lake, rel, pa.Table.from_pylist(merged, schema=schema))
-
-
-def _replace(lake: LakeFS, rel: str, table: pa.Table) -> None:
-    """Swap the partition at ``rel`` for one file of ``table`` (:func:`clawpipe.tables.replace_partition`'s way),
-    removing the staged copy also when writing it fails (a full disk keeps no half-written file)."""
+    schema = tables.keep_unknown_columns(schemas.ROLLOUTS, [t.schema for t in tables_in], f"{lake.url}/{rel}")
+    merged = pa.concat_tables(
+        [tables.conform(t, schema) for t in tables_in] + [pa.Table.from_pylist(fresh, schema=schema)]
+    )
+    if not take and parts:  # nothing rewritten: the part alone is published (renamed into place whole)
+        part = f"{rel}/part-{uuid.uuid4().hex}.parquet"
+        try:
+            lake.write_parquet(part, merged)
+        except BaseException:  # a full disk: no temporary file stays
+            lake.delete(part + TMP_SUFFIX)
+            raise
+        return
     staged = f"{tables.STAGING}/{uuid.uuid4().hex}"
     try:
-        lake.write_parquet(f"{staged}/part-{uuid.uuid4().hex}.parquet", table)
+        lake.makedirs(staged)
+        for part in parts:
+            if part not in take:
+                lake.link(part, f"{staged}/{posixpath.basename(part)}")
+        lake.write_parquet(f"{staged}/part-{uuid.uuid4().hex}.parquet", merged)
         lake.swap_dir(staged, rel)
     finally:
         lake.delete_dir(staged)
+    if take:
+        log.debug("rollouts %s: %d rows landed, %d parts merged into %d rows", rel, len(fresh), len(take), len(merged))

@@ -1,18 +1,19 @@
-"""A landing of rollout results costs the rows it brings, not the rows its partition already holds: landing the
-results of an iteration in many small landings (async mode lands every few seconds) reads only the key columns
-of the rows landed before and writes only the new rows, while per rollout_id the latest attempt still wins for
-every reader, also after compaction merges the parts."""
+"""A landing of rollout results costs about the rows it brings, not the rows its partition already holds:
+landing an iteration's results in many small landings (async mode lands every few seconds) reads only the key
+columns of the parts it leaves alone and rewrites rows a few times over the partition's life (parts merge
+geometrically), while per rollout_id the latest attempt still wins for every reader."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from clawpipe.lake import compact, land, run_audits, run_sql
-from clawpipe.lake.compaction import LEAST_FILES
+from clawpipe.lake import land, run_audits, run_sql
 from clawpipe.lake.rollouts import KEY_COLUMNS
 from clawpipe.tables import LakeFS
 from tests.lake import fixtures as fx
@@ -21,26 +22,24 @@ PER_LANDING = 3
 
 
 class _Touched:
-    """Rows and values LakeFS reads and writes under a rollouts partition while it is wrapped."""
+    """Rows LakeFS reads and writes under rollouts partitions while it is wrapped, and parts read per landing."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.key_values = 0  # values read of the rollout_id / attempt columns
-        self.other_values = 0  # values read of every other column (whole rows)
+        self.whole_rows_read = 0  # rows read with columns beyond rollout_id / attempt
         self.rows_written = 0
+        self.parts_read: list[set[str]] = [set()]  # per landing
         read, write = LakeFS.read_parquet, LakeFS.write_parquet
 
         def read_parquet(lake: LakeFS, rel: str, columns: list[str] | None = None) -> pa.Table:
             table = read(lake, rel, columns)
             if rel.startswith("rollouts/"):
-                for name in table.column_names:
-                    if name in KEY_COLUMNS:
-                        self.key_values += table.num_rows
-                    else:
-                        self.other_values += table.num_rows
+                self.parts_read[-1].add(rel)
+                if columns is None or set(columns) - set(KEY_COLUMNS):
+                    self.whole_rows_read += table.num_rows
             return table
 
         def write_parquet(lake: LakeFS, rel: str, table: pa.Table) -> None:
-            if "rollouts" in rel or rel.startswith("_staging/"):
+            if rel.startswith(("rollouts/", "_staging/")):
                 self.rows_written += table.num_rows
             write(lake, rel, table)
 
@@ -48,34 +47,44 @@ class _Touched:
         monkeypatch.setattr(LakeFS, "write_parquet", write_parquet)
 
 
-def _landings(cap: Path, lake: Path, first: int, count: int) -> None:
+def _landings(cap: Path, lake: Path | str, first: int, count: int, touched: _Touched | None = None) -> None:
     for k in range(first, first + count):
         rows = [fx.rollout_row(f"r{k}-{i}", group_id=f"g{k}") for i in range(PER_LANDING)]
         fx.write_results(cap, rows, batch=f"b{k}")
         assert land(cap, lake).rollouts == PER_LANDING
+        if touched is not None:
+            touched.parts_read.append(set())
 
 
-def _one_more_landing(tmp_path: Path, earlier: int, monkeypatch: pytest.MonkeyPatch) -> _Touched:
-    cap, lake = tmp_path / f"cap{earlier}", tmp_path / f"lake{earlier}"
-    _landings(cap, lake, 0, earlier)
+def _many_landings(tmp_path: Path, n: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    cap, lake = tmp_path / f"cap{n}", tmp_path / f"lake{n}"
     with monkeypatch.context() as m:
         touched = _Touched(m)
-        _landings(cap, lake, earlier, 1)
-    assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == (earlier + 1) * PER_LANDING
-    return touched
+        _landings(cap, lake, 0, n, touched)
+    assert run_sql(lake, "select count(*) from rollouts").column(0)[0].as_py() == n * PER_LANDING
+    parts = len(list((lake / "rollouts" / "run_id=run1" / "iteration=0").glob("*.parquet")))
+    landed = n * PER_LANDING
+    return {
+        "written_per_row": touched.rows_written / landed,
+        "read_per_row": touched.whole_rows_read / landed,
+        "most_parts_read": max(len(p) for p in touched.parts_read),
+        "parts": parts,
+    }
 
 
-def test_a_landing_of_new_results_reads_no_earlier_row_and_writes_only_its_own(
+def test_many_small_landings_rewrite_each_row_a_few_times_not_once_per_landing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    small = _one_more_landing(tmp_path, 2, monkeypatch)
-    large = _one_more_landing(tmp_path, 20, monkeypatch)
-    # whole rows of the partition: none read, at either size (a rewrite read every one: 6, then 60 rows)
-    assert (small.other_values, large.other_values) == (0, 0)
-    # what is written is the landing's own rows, at either size (a rewrite wrote 9, then 63)
-    assert (small.rows_written, large.rows_written) == (PER_LANDING, PER_LANDING)
-    # of the rows landed before, the two key columns alone are read
-    assert small.key_values == 2 * 2 * PER_LANDING and large.key_values == 2 * 20 * PER_LANDING
+    few = _many_landings(tmp_path, 4, monkeypatch)
+    many = _many_landings(tmp_path, 32, monkeypatch)
+    for n, got in ((4, few), (32, many)):
+        bound = math.log2(n) + 1
+        # a row is written when it lands and again at most once per doubling of the partition (a rewrite of the
+        # partition at every landing wrote (n + 1) / 2 = 2.5, then 16.5 rows per row landed)
+        assert got["written_per_row"] <= bound, (n, got)
+        assert got["read_per_row"] <= bound - 1, (n, got)
+        # the partition keeps a few parts, and a landing opens no more than those
+        assert got["parts"] <= bound and got["most_parts_read"] <= bound, (n, got)
 
 
 def _rollouts(lake: Path) -> list[dict[str, Any]]:
@@ -83,40 +92,32 @@ def _rollouts(lake: Path) -> list[dict[str, Any]]:
     return run_sql(lake, query).to_pylist()
 
 
-def test_latest_attempt_wins_across_appended_parts_and_compaction(tmp_path: Path) -> None:
+def test_latest_attempt_wins_across_merged_and_appended_parts(tmp_path: Path) -> None:
     cap, lake = tmp_path / "cap", tmp_path / "lake"
-    _landings(cap, lake, 0, 4)  # r0-*, r1-*, r2-*, r3-*: four parts
+    _landings(cap, lake, 0, 3)  # r0-*, r1-*, r2-*: parts of 6 and 3 rows
     part_dir = lake / "rollouts" / "run_id=run1" / "iteration=0"
-    assert len(list(part_dir.glob("*.parquet"))) == 4
-    # a retry of r1-0 (attempt 1) supersedes the row a part holds (the partition is rewritten); a stale attempt 0
-    # of it landed after that is dropped; an equal attempt of r2-0 landed later replaces the held one
-    retry = fx.rollout_row("r1-0", group_id="g1", status="succeeded", reward=0.75, attempt=1)
-    fx.write_results(cap, [fx.rollout_row("r1-0", group_id="g1", status="infra_error", reward=None)], batch="x0")
-    fx.write_results(cap, [retry], batch="x1")
+    assert sorted(pq.read_metadata(p).num_rows for p in part_dir.glob("*.parquet")) == [3, 6]
+    # a retry of r0-0 (attempt 1) supersedes the row the larger part holds (that part is merged); a stale
+    # attempt 0 of it landed after that is dropped; an equal attempt of r2-0 landed later replaces the held one
+    fx.write_results(cap, [fx.rollout_row("r0-0", group_id="g0", status="infra_error", reward=None)], batch="x0")
+    fx.write_results(cap, [fx.rollout_row("r0-0", group_id="g0", reward=0.75, attempt=1)], batch="x1")
     land(cap, lake)
-    fx.write_results(cap, [fx.rollout_row("r1-0", group_id="g1", status="infra_error", attempt=0)], batch="x2")
+    fx.write_results(cap, [fx.rollout_row("r0-0", group_id="g0", status="infra_error", attempt=0)], batch="x2")
     fx.write_results(cap, [fx.rollout_row("r2-0", group_id="g2", status="failed", reward=0.0, attempt=0)], batch="x2")
     land(cap, lake)
-    expected = [
-        {"rollout_id": f"r{k}-{i}", "status": "succeeded", "reward": 0.75 if (k, i) == (1, 0) else 1.0,
-         "attempt": 1 if (k, i) == (1, 0) else 0}
-        for k in range(4) for i in range(PER_LANDING)
-    ]  # fmt: skip
-    expected[2 * PER_LANDING] = {"rollout_id": "r2-0", "status": "failed", "reward": 0.0, "attempt": 0}
-    assert _rollouts(lake) == expected
-    _landings(cap, lake, 4, LEAST_FILES["rollouts"] - 2)  # parts beside the rewritten one: one too few to merge
-    assert compact(lake).partitions == 0
-    _landings(cap, lake, LEAST_FILES["rollouts"] + 2, 1)
-    assert len(list(part_dir.glob("*.parquet"))) == LEAST_FILES["rollouts"]
-    rep = compact(lake)
-    assert (rep.partitions, rep.files_after, rep.duplicates_dropped) == (1, 1, 0)
-    assert len(list(part_dir.glob("*.parquet"))) == 1
-    after = _rollouts(lake)
-    first_four = {e["rollout_id"] for e in expected}
-    assert [r for r in after if r["rollout_id"] in first_four] == expected and len(after) == (
-        LEAST_FILES["rollouts"] + 3
-    ) * PER_LANDING
-    assert all(t.num_rows == 0 for t in run_audits(lake).values())
+    expected = {
+        f"r{k}-{i}": {"rollout_id": f"r{k}-{i}", "status": "succeeded", "reward": 1.0, "attempt": 0}
+        for k in range(3)
+        for i in range(PER_LANDING)
+    }
+    expected["r0-0"] = {"rollout_id": "r0-0", "status": "succeeded", "reward": 0.75, "attempt": 1}
+    expected["r2-0"] = {"rollout_id": "r2-0", "status": "failed", "reward": 0.0, "attempt": 0}
+    assert _rollouts(lake) == sorted(expected.values(), key=lambda r: r["rollout_id"])
+    _landings(cap, lake, 3, 9)  # merged and appended parts beside them
+    after = {r["rollout_id"]: r for r in _rollouts(lake)}
+    assert len(after) == 12 * PER_LANDING and {k: after[k] for k in expected} == expected
+    assert all(t.num_rows == 0 for t in run_audits(lake).values())  # duplicate_rollout_ids among them
+    assert len(list(part_dir.glob("*.parquet"))) <= math.log2(12) + 1
 
 
 def test_an_append_killed_mid_write_leaves_nothing_once_the_next_landing_ran(tmp_path: Path) -> None:
@@ -125,5 +126,17 @@ def test_an_append_killed_mid_write_leaves_nothing_once_the_next_landing_ran(tmp
     part_dir = lake / "rollouts" / "run_id=run1" / "iteration=0"
     (part_dir / "part-killed.parquet.inprogress").write_bytes(b"PAR1 half a part")  # what a SIGKILL leaves
     _landings(cap, lake, 1, 1)
-    assert sorted(p.suffix for p in part_dir.iterdir()) == [".parquet", ".parquet"]
+    assert [p.suffix for p in part_dir.iterdir()] == [".parquet"]  # 3 rows merged with 3: one part
     assert len(_rollouts(lake)) == 2 * PER_LANDING
+
+
+def test_landings_into_a_lake_on_a_filesystem_url_merge_parts_and_keep_each_rollout_once(tmp_path: Path) -> None:
+    cap, lake = tmp_path / "cap", f"memory://rollouts-{tmp_path.name}"
+    _landings(cap, lake, 0, 5)
+    fx.write_results(cap, [fx.rollout_row("r1-1", group_id="g1", reward=0.5, attempt=2)], batch="retry")
+    land(cap, lake)
+    rows = run_sql(lake, "select rollout_id, reward, attempt from rollouts order by rollout_id").to_pylist()
+    assert len(rows) == 5 * PER_LANDING and len({r["rollout_id"] for r in rows}) == len(rows)
+    assert [r for r in rows if r["attempt"]] == [{"rollout_id": "r1-1", "reward": 0.5, "attempt": 2}]
+    parts = LakeFS(lake).list_files("rollouts", suffix=".parquet")
+    assert 1 <= len(parts) <= math.log2(6) + 1 and not LakeFS(lake).list_files("_staging")
