@@ -1,14 +1,15 @@
 """Lake landing throughput, landing into a growing partition, and saved-query latency, on production-shaped calls.
 
-Run: ``.venv/bin/python bench/lake_throughput.py [--small N] [--large N] [--growing N] [--query-calls N]
-[--landing-only] [--baseline DIR [--rounds K]]``. Every call is drawn by bench/data.py (multi-turn rollouts,
-Zipf token ids, varied logprobs, texts and tool calls; small: ~200 prompt + 64 sampled tokens, large: ~16k +
-512, log-normal). Landing is single-threaded and runs in a child process; its rate on one core is calls / CPU seconds of
-that process (the figure that holds on a shared machine; the wall-clock rate is printed beside it), its
-peak RSS the child's own high-water mark. The growing-partition run lands 10 batches of ``--growing``
-calls into one partition, each followed by a landing run of 1,000 new calls whose CPU per call is
-reported (flat when no run pays for what is already landed). Saved queries run over a lake of
-``--query-calls`` small calls (landed in rounds of ``--round``, to bound disk use). Prints human lines
+Run: ``.venv/bin/python bench/lake_throughput.py [--small N] [--large N] [--growing N] [--results-landings N]
+[--query-calls N] [--landing-only] [--baseline DIR [--rounds K]]``. Every call is drawn by bench/data.py
+(multi-turn rollouts, Zipf token ids, varied logprobs, texts and tool calls; small: ~200 prompt + 64 sampled
+tokens, large: ~16k + 512, log-normal). Landing is single-threaded and runs in a child process; its rate on one
+core is calls / CPU seconds of that process (the figure that holds on a shared machine; the wall-clock rate is
+printed beside it), its peak RSS the child's own high-water mark. The growing-partition run lands 10 batches of
+``--growing`` calls into one partition, each followed by a landing run of 1,000 new calls whose CPU per call is
+reported (flat when no run pays for what is already landed); likewise ``--results-landings`` landing runs of 8
+new rollout results each into one partition (CPU per run, last 10 against first 10). Saved queries run over a
+lake of ``--query-calls`` small calls (landed in rounds of ``--round``, to bound disk use). Prints human lines
 and the machine load, then one JSON line with the figures and their ratios to the targets.
 
 ``--baseline DIR`` (a tree holding another version's ``clawpipe/`` and ``sql/``, e.g. ``git archive <rev>
@@ -159,6 +160,46 @@ def growing(work: Path, per_batch: int, probe: int = 1000, code: str | None = No
     }
 
 
+def results_child(work: str, landings: int, per: int) -> None:
+    """Child process body: land ``landings`` result files of ``per`` new rollouts each into one partition, one
+    landing run each; print each run's CPU seconds."""
+    from clawpipe.lake import land
+
+    caps, lake = Path(work) / "cap-results", Path(work) / "lake-results"
+    cpu = []
+    for k in range(landings):
+        rows = data.rollout_results({f"k{k:05d}-{i}": 1 for i in range(per)}, "bench", 0, seed=k)
+        d = caps / "results" / "bench" / "0"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"results-{k:05d}.jsonl").write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+        cpu0 = time.process_time()
+        land(caps, lake)
+        cpu.append(time.process_time() - cpu0)
+    print(json.dumps({"cpu_s": cpu}))
+
+
+def results_growing(work: Path, landings: int, per: int = 8, code: str | None = None) -> dict[str, object]:
+    """One iteration's results landed as they come (async mode lands every few seconds): ``landings`` landing
+    runs of ``per`` new rollouts each into one partition; CPU per run, last 10 / first 10 (medians)."""
+    cmd = [sys.executable, __file__, "--child-results", str(work), str(landings), str(per)]
+    env = {**os.environ, _CODE_ENV: code} if code else None
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    ms = [c * 1e3 for c in json.loads(run.stdout.strip().splitlines()[-1])["cpu_s"]]
+    shutil.rmtree(work / "cap-results")
+    shutil.rmtree(work / "lake-results")
+    first, last = statistics.median(ms[:10]), statistics.median(ms[-10:])
+    print(
+        f"{'baseline ' if code else ''}results landed in {landings} runs of {per} rollouts into one partition: "
+        f"ms cpu/run first 10 {first:.1f}, last 10 {last:.1f} (medians), last / first = {last / first:.2f} "
+        f"[load {load()}]"
+    )
+    return {
+        "results_first_ms": round(first, 1),
+        "results_last_ms": round(last, 1),
+        "results_last_vs_first": round(last / first, 2),
+    }
+
+
 def query_child(lake: str) -> None:
     from clawpipe.lake import run_saved
 
@@ -188,12 +229,17 @@ def main() -> None:
     ap.add_argument("--child-land", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--child-query", help=argparse.SUPPRESS)
     ap.add_argument("--child-growing", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--child-results", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--results-landings", type=int, default=200, help="landing runs of new rollout results")
     args = ap.parse_args()
     if args.child_land:
         land_child(*args.child_land)
         return
     if args.child_growing:
         growing_child(*args.child_growing)
+        return
+    if args.child_results:
+        results_child(args.child_results[0], int(args.child_results[1]), int(args.child_results[2]))
         return
     if args.child_query:
         query_child(args.child_query)
@@ -223,10 +269,12 @@ def main() -> None:
                 dest[f"land_{kind}_peak_rss_mb"] = round(r["peak_rss_mb"])
             shutil.rmtree(caps)
         figures.update(growing(work, args.growing))
+        figures.update(results_growing(work, args.results_landings))
         if args.baseline:
             base = figures["baseline"]
             assert isinstance(base, dict)
             base.update(growing(work, args.growing, code=args.baseline))
+            base.update(results_growing(work, args.results_landings, code=args.baseline))
             figures["new_vs_baseline"] = {
                 k: round(figures[f"land_{k}_calls_per_s"] / base[f"land_{k}_calls_per_s"], 2)  # type: ignore[operator]
                 for k in ("small", "large")
