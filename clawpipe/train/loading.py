@@ -37,7 +37,12 @@ def load_trees(
     lake_root: str | os.PathLike[str], run_id: str, iteration: int, config: TrainConfig
 ) -> tuple[list[TrainTree], dict[str, RolloutInfo], dict[str, float]]:
     """Trees with their sequences, rollout infos, and load counters."""
-    con = tables.connect(lake_root, tables=("tree_nodes", "tree_sequences", "model_calls", "rollouts"))
+    # pinned to the iteration's files: a view over the whole lake opens every file of its table when made
+    con = tables.connect(
+        lake_root,
+        tables=("tree_nodes", "tree_sequences", "model_calls", "rollouts"),
+        partition=(run_id, int(iteration)),
+    )
     params = {"run_id": run_id, "iteration": int(iteration)}
     try:
         nodes = con.sql(sql_text("train/tree_nodes"), params={**params, "scope": config.tree_scope}).to_arrow_table()

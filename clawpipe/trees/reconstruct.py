@@ -81,7 +81,8 @@ def build_iteration(
 ) -> BuildSummary:
     """Rebuild the trees of one run iteration and replace its tree_nodes, tree_stats and tree_sequences."""
     t0 = time.perf_counter()
-    con = tables.connect(lake_root, tables=("model_calls", "rollouts"))
+    # pinned to the iteration's files: a view over the whole lake opens every file of its table when made
+    con = tables.connect(lake_root, tables=("model_calls", "rollouts"), partition=(run_id, int(iteration)))
     params = {"run_id": run_id, "iteration": int(iteration)}
     groups = con.sql(sql_text("trees/groups"), params=params).to_arrow_table()
     batches = plan_batches(groups, token_budget)

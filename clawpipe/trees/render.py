@@ -41,7 +41,8 @@ def read_tree_nodes(
     lake_root: str | os.PathLike[str], tree_id: str, *, run_id: str | None = None, iteration: int | None = None
 ) -> list[dict]:
     """Nodes of one tree from the lake, parent-first. Raises when missing or ambiguous across runs."""
-    con = tables.connect(lake_root, tables=("tree_nodes",))
+    pinned = (run_id, int(iteration)) if run_id and iteration is not None else None  # that partition's files only
+    con = tables.connect(lake_root, tables=("tree_nodes",), partition=pinned)
     params = {"tree_id": tree_id, "run_id": run_id or "", "iteration": -1 if iteration is None else int(iteration)}
     rows = con.sql(sql_text("trees/show"), params=params).to_arrow_table().to_pylist()
     if not rows:

@@ -1,6 +1,7 @@
 """The pipeline's per-iteration lake queries open the files of their iteration, not every file the lake holds:
 with 2 or 20 earlier iterations landed (and their trees built), the landed-batch check, the staleness count,
-the harness summary and the example tree open the same number of Parquet files. Files opened are
+the harness summary, the example tree, the iteration's tree build and the trainer's read of its trees open
+the same number of Parquet files. Files opened are
 counted by the kernel (inotify), whoever opens them (DuckDB reads the files itself)."""
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from clawpipe.pipeline import overlap as ov
 from clawpipe.pipeline.config import PipelineConfig
 from clawpipe.pipeline.report import harness_details
 from clawpipe.pipeline.stages import render_example_tree
+from clawpipe.train.config import TrainConfig
+from clawpipe.train.loading import load_trees
 from clawpipe.trees.reconstruct import build_iteration
+from clawpipe.trees.render import read_tree_nodes
 from tests.lake import fixtures as fx
 
 pytestmark = pytest.mark.slow
@@ -118,6 +122,17 @@ def _opened_by_iteration_queries(home: Path, iterations: int, monkeypatch: pytes
             lambda: example.update(render_example_tree(settings, "run1", 1, tokenizer_dir=tok, out_dir=home / "t"))
         )
         assert example["tree_id"].startswith("rollout:r1-")
+        nodes: list[Any] = []
+        out["tree_show"] = opens.count(
+            lambda: nodes.extend(read_tree_nodes(settings.lake_dir, example["tree_id"], run_id="run1", iteration=1))
+        )
+        assert nodes and {n["iteration"] for n in nodes} == {1}
+        loaded: list[Any] = []
+        out["train_load"] = opens.count(lambda: loaded.extend(load_trees(settings.lake_dir, "run1", 1, TrainConfig())))
+        assert loaded[0] and set(loaded[1]) == {f"r1-{g}-{s}" for g in range(GROUPS) for s in range(SAMPLES)}
+        built: list[Any] = []  # last: it swaps the iteration's tree folders for new (unwatched) ones
+        out["tree_build"] = opens.count(lambda: built.append(build_iteration(settings.lake_dir, "run1", 1)))
+        assert built[0].n_calls == GROUPS * SAMPLES
     finally:
         opens.close()
     return out
@@ -128,7 +143,7 @@ def test_per_iteration_queries_open_their_iterations_files_only(
 ) -> None:
     small = _opened_by_iteration_queries(tmp_path / "small", 2, monkeypatch)
     large = _opened_by_iteration_queries(tmp_path / "large", 20, monkeypatch)
-    for name in ("landed_batch", "call_ages", "harness_summary"):
+    for name in ("landed_batch", "call_ages", "harness_summary", "tree_build", "tree_show", "train_load"):
         assert small[name] == large[name], (name, small[name], large[name])
         assert sum(large[name].values()) > 0, name  # the iteration's own files are read
     assert small["example_tree"] == large["example_tree"]  # its choice (tree_stats) and its nodes (tree_nodes)
