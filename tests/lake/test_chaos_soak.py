@@ -1,6 +1,7 @@
 """Random kill -9 of the proxy, landers and the compactor under live traffic: every answered call lands exactly once.
 
-Real processes throughout: a ``clawpipe proxy`` in front of the scripted upstream, client threads sending
+Real processes throughout: two ``clawpipe proxy`` processes sharing one capture folder in front of the scripted
+upstream (each restart seals what a killed one left, beside the live one), client threads sending
 streamed and unstreamed calls for several rollouts (each call carries a unique tag, and each client records
 the tags answered 200 in full), ``clawpipe land`` processes (sometimes two at once, sometimes in small
 batches so a kill can fall between commits), ``clawpipe lake compact`` and ``clawpipe sql`` readers in loops
@@ -78,7 +79,7 @@ class Chaos:
     kills: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     reads: int = 0
-    proxy_url: str = ""
+    proxy_urls: dict[int, str] = field(default_factory=dict)  # per port: two proxies share the capture folder
     proxy_starts: int = 0
 
     def __post_init__(self) -> None:
@@ -107,8 +108,9 @@ class Chaos:
 
 
 def _start_proxy(c: Chaos, port: int) -> subprocess.Popen[bytes]:
-    c.proxy_starts += 1
-    ready = c.tmp / f"ready-{c.proxy_starts}"
+    with c.lock:
+        c.proxy_starts += 1
+        ready = c.tmp / f"ready-{c.proxy_starts}"
     cmd = [PY, "-m", "clawpipe", "proxy", "--upstream", c.env["CHAOS_UPSTREAM"], "--port", str(port)]
     cmd += ["--capture-dir", str(c.cap), "--ready-file", str(ready), "--segment-mb", "0.03"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=c.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -118,7 +120,7 @@ def _start_proxy(c: Chaos, port: int) -> subprocess.Popen[bytes]:
             err = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else "no ready file"
             raise AssertionError(f"seed {c.seed}: the proxy did not start: {err[-2000:]}")
         time.sleep(0.02)
-    c.proxy_url = ready.read_text().strip()
+    c.proxy_urls[port] = ready.read_text().strip()
     return proc
 
 
@@ -191,7 +193,7 @@ def _reader_loop(c: Chaos, rng: random.Random) -> None:
         c.stop.wait(rng.uniform(0.1, 0.5))
 
 
-def _client(c: Chaos, t: int, rng: random.Random) -> None:
+def _client(c: Chaos, t: int, port: int, rng: random.Random) -> None:
     """One rollout's calls, streamed or not at random; a call counts as answered when its whole answer came."""
     key = mint_key(SECRET.encode(), run_id=RUN_ID, iteration=t % 2, rollout_id=f"r{t}")
     result = fx.rollout_row(f"r{t}", run_id=RUN_ID, iteration=t % 2)
@@ -208,7 +210,7 @@ def _client(c: Chaos, t: int, rng: random.Random) -> None:
             with c.lock:
                 c.sent += 1
             try:
-                with client.stream("POST", f"{c.proxy_url}/r/{key}/v1/chat/completions", json=body) as r:
+                with client.stream("POST", f"{c.proxy_urls[port]}/r/{key}/v1/chat/completions", json=body) as r:
                     data = b"".join(r.iter_bytes())
             except httpx.HTTPError:
                 c.stop_clients.wait(0.05)  # the proxy is down: it comes back on the same port
@@ -297,13 +299,14 @@ def soak(tmp: Path, seed: int, seconds: float, clients: int = 6) -> Chaos:
     rng = random.Random(seed)
     with ScriptedUpstream() as up:
         c.env["CHAOS_UPSTREAM"] = up.url
-        port = free_port()
-        proxy = threading.Thread(target=_proxy_loop, args=(c, port), name="proxy")
-        proxy.start()
-        while not c.proxy_url and proxy.is_alive():
+        ports = [free_port(), free_port()]
+        proxies = [threading.Thread(target=_proxy_loop, args=(c, port), name=f"proxy{port}") for port in ports]
+        for proxy in proxies:
+            proxy.start()
+        while len(c.proxy_urls) < len(ports) and all(p.is_alive() for p in proxies):
             time.sleep(0.05)
         loops = [
-            threading.Thread(target=_client, args=(c, t, random.Random(rng.random())), name=f"client{t}")
+            threading.Thread(target=_client, args=(c, t, ports[t % 2], random.Random(rng.random())), name=f"client{t}")
             for t in range(clients)
         ]
         loops += [
@@ -316,7 +319,7 @@ def soak(tmp: Path, seed: int, seconds: float, clients: int = 6) -> Chaos:
         try:
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline and not c.failures:
-                time.sleep(rng.uniform(0.2, 1.4))
+                time.sleep(rng.uniform(0.15, 1.0))
                 role = rng.choice(["proxy", "lander", "lander", "compactor"])
                 victims = c.live(role)
                 if victims:
@@ -329,14 +332,21 @@ def soak(tmp: Path, seed: int, seconds: float, clients: int = 6) -> Chaos:
             c.stop.set()
             for t in loops[clients:]:
                 t.join(120)
-            proxy.join(60)
+            for proxy in proxies:
+                proxy.join(60)
+            # a proxy killed just before the end was not started again: one more start seals what it left
+            last = _start_proxy(c, free_port())
+            last.send_signal(signal.SIGTERM)
+            _, err = last.communicate(timeout=30)
+            if last.returncode != 0:
+                c.fail(f"the last proxy exited {last.returncode}: {err.decode()[-2000:]}")
     return c
 
 
 @pytest.mark.slow
 def test_random_kills_lose_and_duplicate_no_answered_call(tmp_path: Path) -> None:
     seed = int(os.environ.get("CLAWPIPE_CHAOS_SEED") or 20261202)
-    seconds = float(os.environ.get("CLAWPIPE_CHAOS_SECONDS") or 25)
+    seconds = float(os.environ.get("CLAWPIPE_CHAOS_SECONDS") or 18)
     c = soak(tmp_path, seed, seconds)
     print(f"chaos seed {seed}: kills {c.kills}, sent {c.sent}, answered {len(c.answered)}, reads {c.reads}")
     assert sum(c.kills.values()) >= 10, f"seed {seed}: only {c.kills} kills"
