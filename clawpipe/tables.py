@@ -38,6 +38,9 @@ from clawpipe.schemas import TABLES
 
 PARTITIONED = ("model_calls", "rollouts", "tree_nodes", "tree_stats", "tree_sequences")
 STAGING = "_staging"
+# staging folders of writers that hold the lake's lock (compaction, the rollouts merge of a landing): the next
+# holder removes what a killed one left (clawpipe/lake/manifest.py load); tree builds stage without the lock
+LOCKED_STAGING = f"{STAGING}/locked-"
 COMPACT_PREFIX = "_manifest/compact-"  # records of compactions under way on object stores
 TMP_SUFFIX = ".inprogress"  # staged files end in this, so the views' ``*.parquet`` globs never match them
 # Columns holding whole documents or token lists: no dictionary, no min/max statistics (both cost more
@@ -61,6 +64,11 @@ RENAMED: dict[str, dict[str, dict[str, str]]] = {
         },
     },
 }
+
+
+def locked_staging() -> str:
+    """A fresh staging folder for a writer that holds the lake's lock (see :data:`LOCKED_STAGING`)."""
+    return f"{LOCKED_STAGING}{uuid.uuid4().hex}"
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, object]:

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from clawpipe import capture, schemas
 from clawpipe.errors import LakeError
 from clawpipe.lake import manifest
-from clawpipe.tables import COMPACT_PREFIX, STAGING, TMP_SUFFIX, LakeFS, conform, keep_unknown_columns
+from clawpipe.tables import COMPACT_PREFIX, TMP_SUFFIX, LakeFS, conform, keep_unknown_columns, locked_staging
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _partition_dirs(lake: LakeFS, table: str) -> list[str]:
 
 def _compact_dir(lake: LakeFS, table: str, rel: str, files: list[str], max_rows: int, report: CompactionReport) -> None:
     # object stores: merged files go beside the old ones, unpublished, until the compaction record exists
-    staged = f"{STAGING}/{uuid.uuid4().hex}" if lake.is_local else rel
+    staged = locked_staging() if lake.is_local else rel  # a kill leaves it to the next lock holder to remove
     written: list[str] = []
     try:
         _merge(lake, table, rel, files, max_rows, report, staged, written)

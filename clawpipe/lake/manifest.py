@@ -38,7 +38,7 @@ import orjson
 
 from clawpipe.errors import LakeError
 from clawpipe.lake.lease import Lease
-from clawpipe.tables import TMP_SUFFIX, LakeFS, check_format
+from clawpipe.tables import LOCKED_STAGING, TMP_SUFFIX, LakeFS, check_format
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ def load(lake: LakeFS, lease: Lease | None = None) -> ManifestState:
         fence(lake)  # before rolling back: the previous holder's batch must not commit after that
     if lake.is_local:  # what a writer that failed or was killed mid-write left (the caller holds the lock)
         sweep_temporary(lake, DIR)
+    sweep_locked_staging(lake)
     names = _entry_names(lake)
     state = ManifestState(lease=lease)
     committed: set[str] = set()
@@ -221,6 +222,16 @@ def sweep_temporary(lake: LakeFS, folder: str, prefix: str = "") -> None:
     for rel in lake.list_files(folder, suffix=TMP_SUFFIX, recursive=False):
         if posixpath.basename(rel).startswith(prefix):
             lake.delete(rel)
+
+
+def sweep_locked_staging(lake: LakeFS) -> None:
+    """Delete the staging folders of lock holders (``_staging/locked-*``: a compaction's merged files, or a
+    partition swapped out and not yet deleted) that a killed holder left. The caller holds the lock, so none
+    is in use; the folders of tree builds, which stage without the lock, are left alone."""
+    head, prefix = posixpath.split(LOCKED_STAGING)
+    for name in lake.list_dirs(head):
+        if name.startswith(prefix):
+            lake.delete_dir(f"{head}/{name}")
 
 
 def load_seq(lake: LakeFS) -> ManifestState:

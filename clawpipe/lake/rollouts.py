@@ -121,7 +121,7 @@ def _write(lake: LakeFS, rel: str, parts: list[str], take: list[str], fresh: lis
             lake.delete(part + TMP_SUFFIX)
             raise
         return
-    staged = f"{tables.STAGING}/{uuid.uuid4().hex}"
+    staged = tables.locked_staging()  # landing holds the lock: a kill leaves it to the next holder to remove
     try:
         lake.makedirs(staged)
         for part in parts:

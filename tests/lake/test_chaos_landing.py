@@ -44,8 +44,9 @@ def _start(cap: Path, lake: Path, what: str) -> subprocess.Popen[bytes]:
 
 
 def leftovers(lake: Path) -> list[str]:
-    """Temporary and uncommitted files of the lake's writers (``_staging`` has its own test below)."""
-    left = [p for p in lake.rglob("*.inprogress") if "_staging" not in p.parts]
+    """Temporary, staged and uncommitted files of the lake's writers."""
+    left = list(lake.rglob("*.inprogress"))
+    left += [p for p in (lake / "_staging").rglob("*") if p.is_file()]
     left += list((lake / "_manifest").glob("pending-*"))
     return sorted(str(p.relative_to(lake)) for p in left)
 
