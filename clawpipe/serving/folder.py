@@ -30,6 +30,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 from clawpipe.errors import ServingError
+from clawpipe.modelbuild import MODEL_BUILD
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def _expected_shapes(folder: Path, cfg: Any) -> tuple[dict[str, tuple[int, ...]]
     parameter count, and the parameters that share another's storage (tied: name -> the name it shares with),
     either of which a folder may store."""
     try:
-        with torch.device("meta"):
+        with MODEL_BUILD, torch.device("meta"):  # one build at a time (clawpipe/modelbuild.py)
             model = AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:  # an architecture without a causal LM head, or sizes it cannot build
         raise ServingError(f"{folder} does not describe a causal LM transformers can build: {exc}") from exc

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
 from clawpipe.errors import ServingError
+from clawpipe.modelbuild import MODEL_BUILD
 from clawpipe.serving.folder import check_model_folder
 from clawpipe.serving.sampler import GREEDY_BELOW
 
@@ -285,7 +286,8 @@ def build_qwen2(
         tie_word_embeddings=tie_embeddings,
         **config,
     )
-    model: PreTrainedModel = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    with MODEL_BUILD:  # transformers swaps process-wide state while it builds (clawpipe/modelbuild.py)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
     return model
 
 
@@ -349,17 +351,19 @@ def load_model(
 
         torch.set_num_threads(get_settings().torch_threads)
     dtype = dtype or default_dtype(dev)
-    if Path(dir).is_dir():  # a folder is checked against its config before any weight is allocated
-        check_model_folder(dir, dtype, dev)
-    try:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            str(dir), dtype=dtype, attn_implementation="sdpa", output_loading_info=True
-        )
-    except Exception as exc:  # OSError, ValueError, safetensors' own error for a truncated or corrupt file, ...
-        raise ServingError(
-            f"cannot load a causal LM from {dir}: {type(exc).__name__}: {exc}; check that the checkpoint was "
-            "completely written (config.json and model.safetensors)"
-        ) from exc
+    # transformers swaps process-wide state while it builds: one build at a time (clawpipe/modelbuild.py)
+    with MODEL_BUILD:
+        if Path(dir).is_dir():  # a folder is checked against its config before any weight is allocated
+            check_model_folder(dir, dtype, dev)
+        try:
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                str(dir), dtype=dtype, attn_implementation="sdpa", output_loading_info=True
+            )
+        except Exception as exc:  # OSError, ValueError, safetensors' own error for a truncated or corrupt file, ...
+            raise ServingError(
+                f"cannot load a causal LM from {dir}: {type(exc).__name__}: {exc}; check that the checkpoint was "
+                "completely written (config.json and model.safetensors)"
+            ) from exc
     model, info = loaded
     missing = sorted(info.get("missing_keys") or ())
     if missing:  # transformers filled them with random values: serving them would sample noise

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from clawpipe.errors import TrainingError
+from clawpipe.modelbuild import MODEL_BUILD
 from clawpipe.train.folder import check_after_load, check_before_load
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,14 @@ def load_policy(policy_dir: str | os.PathLike[str], *, attn_implementation: str 
             f"policy directory {path} has no config.json: pass a directory written by save_pretrained "
             "(e.g. `clawpipe model init` or a previous `clawpipe train` checkpoint)"
         )
-    check_before_load(path)
-    try:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
-        )
-    except Exception as exc:  # transformers raises many types for broken checkpoints
-        raise TrainingError(f"policy directory {path} does not load as a causal LM: {exc}") from exc
+    with MODEL_BUILD:  # transformers swaps process-wide state while it builds (clawpipe/modelbuild.py)
+        check_before_load(path)
+        try:
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
+            )
+        except Exception as exc:  # transformers raises many types for broken checkpoints
+            raise TrainingError(f"policy directory {path} does not load as a causal LM: {exc}") from exc
     model, info = loaded
     tokenizer = None
     if (path / "tokenizer.json").is_file():

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from clawpipe.errors import TrainingError
+from clawpipe.modelbuild import MODEL_BUILD
 from clawpipe.train.losses import decoder_of, score
 from clawpipe.train.packing import MicroBatch
 
@@ -208,12 +209,13 @@ def export_model(template: Any, state: dict[str, Any]) -> tuple[Any, dict[str, t
 
     policy = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     head = {k.removeprefix("value_head."): v for k, v in state.items() if k.startswith("value_head.")}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(template.config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(policy, strict=False, assign=True)
-    if unexpected:
-        raise TrainingError(f"exported state has keys the model does not: {unexpected[:5]}")
-    model.tie_weights()
+    with MODEL_BUILD:  # transformers swaps process-wide state while it builds (clawpipe/modelbuild.py)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(template.config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(policy, strict=False, assign=True)
+        if unexpected:
+            raise TrainingError(f"exported state has keys the model does not: {unexpected[:5]}")
+        model.tie_weights()
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise TrainingError(f"exported state lacks parameters {left[:5]} (missing {missing[:5]})")

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 from clawpipe.errors import TrainingError
+from clawpipe.modelbuild import MODEL_BUILD
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -61,7 +62,9 @@ def check_before_load(path: Path) -> None:
 def _config_params(path: Path) -> int:
     try:
         cfg = AutoConfig.from_pretrained(str(path))
-        with torch.device("meta"):  # shapes only: nothing is allocated however large the config says it is
+        # shapes only: nothing is allocated however large the config says it is; MODEL_BUILD: another thread's
+        # build must not have tie_weights swapped out meanwhile (clawpipe/modelbuild.py)
+        with MODEL_BUILD, torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:  # transformers raises many types for a config it cannot build
         raise TrainingError(f"{path} does not describe a causal LM transformers can build: {exc}") from exc

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.errors import TrainingError
+from clawpipe.modelbuild import MODEL_BUILD
 from clawpipe.train.checkpoint import STATE_FILE, LoadedPolicy, load_policy
 from clawpipe.train.config import TrainConfig
 
@@ -50,7 +51,8 @@ def prepare(loaded: LoadedPolicy, config: TrainConfig) -> tuple[Any, Path]:
                 "the merged folder with fresh adapters (copy it without adapter/)"
             )
         base = load_policy(base_dir).model
-        model = PeftModel.from_pretrained(base, loaded.path / ADAPTER_DIR, is_trainable=True)
+        with MODEL_BUILD:  # transformers swaps process-wide state while it builds (clawpipe/modelbuild.py)
+            model = PeftModel.from_pretrained(base, loaded.path / ADAPTER_DIR, is_trainable=True)
         rank = getattr(model.peft_config["default"], "r", None)
         if rank != config.lora_rank:
             log.warning(
