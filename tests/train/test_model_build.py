@@ -61,7 +61,7 @@ def test_models_built_at_once_in_threads_keep_their_tied_embeddings(
                     built.append(load_model(folder, device="cpu"))
                 else:
                     built.append(load_policy(folder).model)
-        except BaseException as exc:  # noqa: BLE001 (reported below, with the thread's traceback lost otherwise)
+        except BaseException as exc:  # reported below: a thread's exception is lost otherwise
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
