@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.s3 import s3_bucket, s3_server  # noqa: F401  (one S3 server for the session, every directory)
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

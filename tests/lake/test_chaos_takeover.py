@@ -23,7 +23,6 @@ from clawpipe.lake import land, manifest, run_sql
 from clawpipe.lake.lease import Lease
 from clawpipe.tables import LakeFS
 from tests.lake import fixtures as fx
-from tests.support.s3 import s3_bucket, s3_server  # noqa: F401  (a real S3 server, moto, and a bucket per test)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,7 +123,7 @@ def test_bucket_lake_a_resumed_holder_commits_nothing_after_a_takeover(
 
 @pytest.mark.slow
 def test_bucket_lake_a_part_a_resumed_holder_publishes_after_the_takeover_is_rolled_back(
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
