@@ -49,7 +49,8 @@ def harness_details(lake_dir: str | Path, run_id: str, iteration: int) -> dict[s
         values = dict(zip(names, row, strict=True))
         harness = str(values.pop("harness"))
         values.pop("reward_mean")  # the rollouts' own summary has it (failed rollouts counted alike)
-        out[harness] = {k: (round(float(v), 4) if k == "reward_std" else int(v)) for k, v in values.items()}
+        # the std as computed: rounded, two rewards 1e-5 apart (a learning signal) would read as none
+        out[harness] = {k: (float(v) if k == "reward_std" else int(v)) for k, v in values.items()}
     return out
 
 

@@ -104,3 +104,21 @@ def test_the_async_line_says_how_far_behind_in_plain_words(age: int, said: str) 
     state.complete(s, peak_memory_mb=10.0)
     md = final_summary(state, 5.0)["markdown"]
     assert f"async: oldest trained call {said}, 3 stale calls dropped" in md
+
+
+def test_a_tiny_reward_spread_in_the_lake_is_reported_not_rounded_away(tmp_path: Path) -> None:
+    """Two rollouts of a harness whose rewards differ by 1.2e-5 (a real run's claude-code pair) keep a std > 0
+    in the per-harness figures: rounded to 4 places it read as 0, no learning signal, where there was one."""
+    from clawpipe.lake import land
+    from clawpipe.pipeline.report import harness_details
+    from tests.lake import fixtures as fx
+
+    cap = tmp_path / "cap"
+    rewards = [0.01556420233463035, 0.01557632398753894]
+    fx.write_segment(cap / "s.seg", [fx.record(rollout_id=f"r{k}", call_id=f"c{k}") for k in range(2)])
+    fx.write_results(cap, [fx.rollout_row(f"r{k}", reward=r) for k, r in enumerate(rewards)])
+    land(cap, tmp_path / "lake")
+    got = harness_details(tmp_path / "lake", "run1", 0)
+    (figures,) = got.values()
+    assert figures["rollouts"] == 2
+    assert figures["reward_std"] == pytest.approx(abs(rewards[1] - rewards[0]) / 2, rel=1e-6)
