@@ -377,3 +377,16 @@ def write_results(captures: Path, rows: list[dict[str, Any]], *, batch: str = "b
         for r in part_rows:
             capture.append_result(path, r)
     return path
+
+
+def rollout_segments(cap: Path, n_segments: int, per_segment: int, *, iterations: int = 1) -> int:
+    """``n_segments`` segments of one rollout each (``per_segment`` calls, ids ``s<k>-c<i>``), spread over
+    ``iterations`` iterations, with the rollouts' result rows; returns the number of calls written."""
+    for s in range(n_segments):
+        frames = [
+            record(call_id=f"s{s}-c{i}", rollout_id=f"r{s}", seq=i, iteration=s % iterations)
+            for i in range(per_segment)
+        ]
+        write_segment(cap / f"proxy-{s:06d}.seg", frames)
+    write_results(cap, [rollout_row(f"r{s}", iteration=s % iterations) for s in range(n_segments)])
+    return n_segments * per_segment

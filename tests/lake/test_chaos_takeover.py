@@ -27,14 +27,6 @@ from tests.lake import fixtures as fx
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _captures(cap: Path, n_segments: int, per_segment: int) -> int:
-    for s in range(n_segments):
-        frames = [fx.record(call_id=f"s{s}-c{i}", rollout_id=f"r{s}", seq=i) for i in range(per_segment)]
-        fx.write_segment(cap / f"proxy-{s:06d}.seg", frames)
-    fx.write_results(cap, [fx.rollout_row(f"r{s}") for s in range(n_segments)])
-    return n_segments * per_segment
-
-
 def _lander(cap: Path, lake: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     code = "import sys; from clawpipe.lake import land; land(sys.argv[1], sys.argv[2], batch_bytes=8000)"
     return subprocess.Popen(
@@ -70,7 +62,7 @@ def _pending(lake: LakeFS) -> list[str]:
 @pytest.mark.slow
 def test_local_lake_the_waiting_lander_lands_once_the_stopped_holder_dies(tmp_path: Path) -> None:
     cap, lake = tmp_path / "cap", tmp_path / "lake"
-    n = _captures(cap, 30, 40)
+    n = fx.rollout_segments(cap, 30, 40)
     a = _lander(cap, str(lake))
     _wait_for_commits(LakeFS(lake), a, 2)
     a.send_signal(signal.SIGSTOP)
@@ -96,7 +88,7 @@ def test_bucket_lake_a_resumed_holder_commits_nothing_after_a_takeover(
     cap = tmp_path / "cap"
     lake_url = f"{request.getfixturevalue('s3_bucket')}/lake"
     lake = LakeFS(lake_url)
-    n = _captures(cap, 12, 30)
+    n = fx.rollout_segments(cap, 12, 30)
     env = {"CLAWPIPE_LAKE_LEASE_TTL": "2"}
     a = _lander(cap, lake_url, env)
     _wait_for_commits(lake, a, 2)
@@ -134,7 +126,7 @@ def test_bucket_lake_a_part_a_resumed_holder_publishes_after_the_takeover_is_rol
     cap = tmp_path / "cap"
     lake_url = f"{s3_bucket}/lake"
     lake = LakeFS(lake_url)
-    n = _captures(cap, 1, 10)
+    n = fx.rollout_segments(cap, 1, 10)
     held = Lease(lake, ttl_s=1.0)
     held.acquire()
     held._stop.set()  # paused: no more renewals

@@ -17,16 +17,6 @@ from tests.lake import fixtures as fx
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _captures(cap: Path, n_segments: int, per_segment: int) -> int:
-    for s in range(n_segments):
-        frames = [
-            fx.record(call_id=f"s{s}-c{i}", rollout_id=f"r{s}", seq=i, iteration=s % 2) for i in range(per_segment)
-        ]
-        fx.write_segment(cap / f"proxy-{s:06d}.seg", frames)
-    fx.write_results(cap, [fx.rollout_row(f"r{s}", iteration=s % 2) for s in range(n_segments)])
-    return n_segments * per_segment
-
-
 def _lander(cap: Path, lake: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     code = (
         "import sys; from clawpipe.lake import land; "
@@ -50,7 +40,7 @@ def _assert_exactly_once(lake: Path, n_calls: int) -> None:
 
 def test_killed_between_publishing_parts_and_commit(tmp_path: Path) -> None:
     cap, lake = tmp_path / "cap", tmp_path / "lake"
-    n = _captures(cap, 6, 8)
+    n = fx.rollout_segments(cap, 6, 8, iterations=2)
     proc = _lander(cap, lake, {"CLAWPIPE_LAKE_CRASH_BEFORE_COMMIT": "3"})
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, err.decode()
@@ -68,7 +58,7 @@ def test_killed_between_publishing_parts_and_commit(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_sigkill_at_an_arbitrary_moment(tmp_path: Path) -> None:
     cap, lake = tmp_path / "cap", tmp_path / "lake"
-    n = _captures(cap, 40, 40)
+    n = fx.rollout_segments(cap, 40, 40, iterations=2)
     proc = _lander(cap, lake)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
