@@ -23,16 +23,6 @@ from tests.lake import fixtures as fx
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _captures(cap: Path, n_segments: int, per_segment: int) -> int:
-    for s in range(n_segments):
-        frames = [
-            fx.record(call_id=f"s{s}-c{i}", rollout_id=f"r{s}", seq=i, iteration=s % 3) for i in range(per_segment)
-        ]
-        fx.write_segment(cap / f"proxy-{s:06d}.seg", frames)
-    fx.write_results(cap, [fx.rollout_row(f"r{s}", iteration=s % 3) for s in range(n_segments)])
-    return n_segments * per_segment
-
-
 def _start(cap: Path, lake: Path, what: str) -> subprocess.Popen[bytes]:
     if what == "compact":
         cmd = [sys.executable, "-m", "clawpipe", "lake", "compact", "--lake", str(lake)]
@@ -56,19 +46,25 @@ def test_random_kills_of_landers_and_compactors(tmp_path: Path) -> None:
     seed = int(os.environ.get("CLAWPIPE_CHAOS_SEED") or 7)
     rng = random.Random(seed)
     cap, lake = tmp_path / "cap", tmp_path / "lake"
-    n = _captures(cap, 30, 30)
+    n = fx.rollout_segments(cap, 30, 30, iterations=3)
     lake.mkdir()  # compaction refuses a lake folder that does not exist
     kills = 0
     rounds = 0
-    while kills < 30 and rounds < 80:
+    latest = 1.2  # kill moments are drawn up to this; lowered to what a finished round took, so that on a
+    # fast machine the kills still fall inside the work rather than after it
+    while kills < 30 and rounds < 120:
         rounds += 1
         roles = rng.choice([["land"], ["land"], ["land", "land"], ["compact"], ["land", "compact"]])
+        t0 = time.monotonic()
         procs = [_start(cap, lake, r) for r in roles]
-        time.sleep(rng.uniform(0.25, 1.2))  # imports take ~0.3 s: most kills fall inside the work
+        time.sleep(rng.uniform(0.25, max(0.3, latest)))  # imports take ~0.3 s: most kills fall inside the work
+        finished = all(p.poll() is not None for p in procs)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 kills += 1
+        if finished:
+            latest = min(latest, time.monotonic() - t0)
         for p in procs:
             _, err = p.communicate(timeout=60)
             assert p.returncode in (0, -signal.SIGKILL), f"seed {seed}: exited {p.returncode}: {err.decode()[-2000:]}"
@@ -93,7 +89,7 @@ def test_a_landing_killed_while_writing_a_sidecar_leaves_no_temporary_file(tmp_p
     """A kill inside a sidecar's write (temp name, then rename) leaves ``<part>.ids.<x>.inprogress`` beside the
     published part; the next landing rolls the batch back and removes that file with its part."""
     cap, lake = tmp_path / "cap", tmp_path / "lake"
-    n = _captures(cap, 4, 10)
+    n = fx.rollout_segments(cap, 4, 10, iterations=3)
     code = "import sys; from clawpipe.lake import land; land(sys.argv[1], sys.argv[2])"
     env = {**os.environ, "CLAWPIPE_LAKE_CRASH_BEFORE_COMMIT": "1"}  # SIGKILL once the parts are published
     proc = subprocess.run([sys.executable, "-c", code, str(cap), str(lake)], cwd=ROOT, env=env, capture_output=True)
