@@ -99,11 +99,12 @@ def test_each_iteration_trains_every_harness_with_reward_variance(mix_run: tuple
             assert train[f"sequences/{h}"] > 0, (it["iteration"], h, train)
             assert it["by_harness"][h]["trained_sequences"] == train[f"sequences/{h}"]
         # the lake agrees: per harness, rewards differ within the group and its rollouts have tree sequences
-        # with generated tokens, which the step trained
+        # with generated tokens, which the step trained (sequences counted per rollout first: joined row by row,
+        # a rollout with two sequences would weigh twice in the std)
         rows = con.sql(
-            "select r.harness, stddev_pop(r.reward), count(distinct s.call_id) "
-            "from rollouts r left join tree_sequences s on s.rollout_id = r.rollout_id and s.scope = 'rollout' "
-            "and s.n_generated > 0 and s.iteration = r.iteration "
+            "select r.harness, stddev_pop(r.reward), coalesce(sum(s.n), 0) from rollouts r left join ("
+            "select rollout_id, iteration, count(distinct call_id) n from tree_sequences "
+            "where scope = 'rollout' and n_generated > 0 group by all) s using (rollout_id, iteration) "
             "where r.run_id = $r and r.iteration = $i group by 1 order by 1",
             params={"r": summary["run_id"], "i": it["iteration"]},
         ).fetchall()
