@@ -1,9 +1,10 @@
 """The input of the tree builder: call rows (``sql/trees/calls.sql``) as one sorted batch of numpy arrays.
 
-:func:`prepare` sorts the rows into rank order (group, sample, rollout, then call order), so nothing
-depends on the order they arrive in, and decides what of each call goes into the trees: exact ids only
-(an upstream call's, or a failed call's prompt, which goes in as context); re-encoded ids and calls
-without prompt ids are kept out and counted by kind.
+:func:`prepare` sorts the rows into rank order (group, sample, rollout, then call order: seq, or the time
+for a rollout whose calls went through two proxies, whose seq numbers clash), so nothing depends on the
+order they arrive in, and decides what of each call goes into the trees: exact ids only (an upstream
+call's, or a failed call's prompt, which goes in as context); re-encoded ids and calls without prompt ids
+are kept out and counted by kind.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ OPTIONAL: dict[str, pa.DataType] = {
     "token_source": pa.string(),
     "reward": pa.float64(),
 }
-SORT_KEYS = ("group_key", "sample_idx", "rollout_id", "seq", "t_start", "call_id", "choice_index")
+# order_seq is seq, or null for a rollout whose seq numbers clash (see _order_seq): t_start orders those
+SORT_KEYS = ("group_key", "sample_idx", "rollout_id", "order_seq", "t_start", "seq", "call_id", "choice_index")
 
 
 @dataclass
@@ -106,6 +108,28 @@ def group_keys(group_id: pa.ChunkedArray, rollout_id: pa.ChunkedArray) -> tuple[
     return gid, key
 
 
+def _order_seq(calls: pa.Table) -> pa.Array:
+    """Per row: its seq, or null where the rollout's seq numbers clash (two calls with one seq).
+
+    Each proxy numbers a rollout's calls from 0 as they reach it, so the calls of a rollout that went through
+    two proxies (or through one restarted mid-rollout) share numbers: ordered by seq, a later call of one
+    proxy ranks before earlier calls of the other, and a re-encoded answer reads as a retry. Such a rollout
+    is ordered by t_start (when the proxy took the request, on the machine's clock), then seq; any other
+    keeps seq first, the exact order of its one proxy.
+    """
+    keyed = pa.table({"rollout_id": calls["rollout_id"], "seq": calls["seq"], "call_id": calls["call_id"]})
+    per_seq = (
+        keyed.filter(pc.is_valid(keyed["seq"]))
+        .group_by(["rollout_id", "seq"])
+        .aggregate([("call_id", "count_distinct")])
+    )
+    clashing = pc.unique(per_seq.filter(pc.greater(per_seq["call_id_count_distinct"], 1))["rollout_id"])
+    if not len(clashing):
+        return calls["seq"].combine_chunks()
+    ambiguous = pc.is_in(calls["rollout_id"], value_set=clashing)
+    return pc.if_else(ambiguous, pa.scalar(None, pa.int64()), calls["seq"]).combine_chunks()
+
+
 def prepare(calls: pa.Table) -> CallBatch:
     """The rows sorted into rank order, with what the trees need of them as numpy arrays."""
     missing = [c for c in REQUIRED if c not in calls.column_names]
@@ -119,6 +143,9 @@ def prepare(calls: pa.Table) -> CallBatch:
     if "group_key" in calls.column_names:
         calls = calls.drop_columns(["group_key"])
     calls = calls.append_column("group_key", key)
+    if "order_seq" in calls.column_names:
+        calls = calls.drop_columns(["order_seq"])
+    calls = calls.append_column("order_seq", _order_seq(calls))
     keys = calls.select(list(SORT_KEYS))
     order = pc.sort_indices(keys, sort_keys=[(k, "ascending", "at_end") for k in SORT_KEYS])
     lists = ("prompt_token_ids", "completion_token_ids", "completion_logprobs")
