@@ -25,7 +25,7 @@ import orjson
 from clawpipe.apis.sse import read_events
 from clawpipe.apis.streams import reassemble, whole_characters
 from clawpipe.lake.openai_fast import CUT_MIN_BYTES, cut_prompt_ids, parse_openai_fast
-from clawpipe.lake.parsed import Choice, ParsedCall, ParseError, chat_tool_calls
+from clawpipe.lake.parsed import Choice, ParsedCall, ParseError, chat_tool_calls, drop_echoed_prompt
 
 __all__ = ["Choice", "ParseError", "ParsedCall", "parse_messages", "parse_openai", "parse_response", "parse_responses"]
 
@@ -163,6 +163,15 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
     _read_top_fields(obj, parsed)
     _usage_openai(parsed, obj.get("usage"))
     parsed.choices = [_openai_choice(c, api) for c in obj.get("choices") or ()]
+    if api == "completions":
+        one = len(parsed.choices) == 1
+        for choice in parsed.choices:
+            drop_echoed_prompt(
+                choice,
+                parsed.prompt_token_ids,
+                parsed.prompt_tokens if one else None,
+                parsed.completion_tokens if one else None,
+            )
 
 
 # --------------------------------------------------------------------------------------------------
