@@ -73,7 +73,7 @@ class ClientConn(asyncio.Protocol):
         self._discard = 0  # bytes of a refused body still to read and drop before closing
         self._close_pending = False
         self._dropped = False  # the input being parsed was refused: drop what is left of it
-        self.refused = False  # over the connection limit: answered 503 and closed
+        self.refused = False  # answered without reading (over the connection limit, HTTP/2) and closing
         self._bodiless = 0  # answering a HEAD request: 1 until its head is written, then 2 (the rest dropped)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -216,6 +216,9 @@ class ClientConn(asyncio.Protocol):
             self._reject(431, f"request head larger than {MAX_HEAD} bytes")
             return -1
         self._head_scanned = 0
+        if src[pos:end] == wire.H2_PREFACE_LINE:
+            self._refuse_http2()
+            return -1
         try:
             head = parse_request_head(bytes(src[pos:end]))
         except BadRequest as exc:
@@ -322,16 +325,32 @@ class ClientConn(asyncio.Protocol):
 
     def _refuse_connection(self) -> None:
         """Over the connection limit: a 503 saying so, then a graceful close (the request is not read)."""
-        self.refused = True
         limit = self.proxy.config.max_connections
         msg = (
             f"the proxy is at its limit of {limit} open connections; retry shortly, close idle connections, "
             "or start the proxy with a larger --max-connections (and ulimit -n)"
         )
+        self._answer_and_leave(wire.error_response(503, msg, anthropic=None, keep_alive=False))
+
+    def _refuse_http2(self) -> None:
+        """An HTTP/2 client with prior knowledge: it reads HTTP/2 frames only, so an HTTP/1.1 error would reach
+        it as a protocol error (or a broken pipe). It is told in its own framing, then the connection closes."""
+        self._dropped = True
+        msg = (
+            "the clawpipe proxy speaks HTTP/1.1 only: send the request over HTTP/1.1 "
+            "(drop --http2-prior-knowledge or the client's HTTP/2-only setting)"
+        )
+        self._answer_and_leave(wire.h2_refusal(msg))
+
+    def _answer_and_leave(self, data: bytes) -> None:
+        """Send ``data``, then close gracefully: further input is dropped unread, the client's own close ends
+        the connection (closing with its input unread would reset it, and the client might lose the answer)."""
+        self.refused = True
+        self.phase = BUSY  # answered: the sweep's head timeout must not write after the end of output
         assert self.transport is not None
-        self.transport.write(wire.error_response(503, msg, anthropic=None, keep_alive=False))
+        self.transport.write(data)
         with contextlib.suppress(OSError, RuntimeError):
-            self.transport.write_eof()  # the client reads the 503; its own close ends the connection
+            self.transport.write_eof()
         self.proxy.call_later(2.0, self.transport.abort)
 
     @staticmethod

@@ -42,6 +42,13 @@ FORWARDED_REQUEST_HEADERS = frozenset(
 
 ROLLOUT_HEADER = b"x-clawpipe-rollout"
 
+# The request line of the connection preface of an HTTP/2 client that assumes the server speaks HTTP/2
+# (prior knowledge, RFC 9113 3.3): such a client reads only HTTP/2 frames, never an HTTP/1.1 answer.
+H2_PREFACE_LINE = b"PRI * HTTP/2.0"
+_H2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame: the server's preface
+_H2_GOAWAY = 0x7
+_H2_HTTP_1_1_REQUIRED = 0xD
+
 
 def rollout_header(run_id: str, iteration: int, rollout_id: str) -> bytes:
     """The header line naming a call's rollout to the engine: ``run/iteration/rollout``, percent-encoded so no
@@ -132,6 +139,15 @@ def response_head(status: int, headers: list[tuple[bytes, bytes]] | tuple[()] = 
     else:
         out.append(b"content-length: %d\r\n\r\n" % length)
     return b"".join(out)
+
+
+def h2_refusal(message: str) -> bytes:
+    """The answer to an HTTP/2 prior-knowledge connection: the server preface (its SETTINGS frame, which the
+    client waits for) and a GOAWAY with error HTTP_1_1_REQUIRED and ``message`` as its debug data, which
+    HTTP/2 clients report; no stream is processed (last stream id 0)."""
+    payload = (0).to_bytes(4, "big") + _H2_HTTP_1_1_REQUIRED.to_bytes(4, "big") + message.encode()[:16000]
+    goaway = len(payload).to_bytes(3, "big") + bytes((_H2_GOAWAY, 0)) + (0).to_bytes(4, "big") + payload
+    return _H2_SETTINGS + goaway
 
 
 def error_body(status: int, message: str, *, anthropic: bool, code: str | None = None) -> bytes:
