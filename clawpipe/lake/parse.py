@@ -178,7 +178,21 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
 # Anthropic messages
 
 
-def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
+# what the stream reassembler makes of a tool input whose JSON was cut short (clawpipe.apis.streams)
+_UNPARSED = "_unparsed"
+
+
+def _tool_input_arguments(block: dict[str, Any], streamed: bool) -> str:
+    """A tool_use block's input as the chat shape's ``arguments`` string. A stream cut inside the input (by
+    max_tokens, mid-call) leaves JSON text that does not parse, which reassembly wraps as ``{"_unparsed": text}``:
+    the arguments are that text, as chat and Responses give the arguments they received so far."""
+    inp = block.get("input")
+    if streamed and isinstance(inp, dict) and len(inp) == 1 and isinstance(inp.get(_UNPARSED), str):
+        return str(inp[_UNPARSED])
+    return _dumps(inp or {})
+
+
+def parse_messages(obj: dict[str, Any], parsed: ParsedCall, *, streamed: bool = False) -> None:
     failed = obj.get("type") == "error" or obj.get("error") is not None or ("error" in obj and "content" not in obj)
     if failed:
         parsed.error = _error_text(obj.get("error"))
@@ -190,7 +204,7 @@ def parse_messages(obj: dict[str, Any], parsed: ParsedCall) -> None:
         {
             "id": b.get("id"),
             "type": "function",
-            "function": {"name": b.get("name"), "arguments": _dumps(b.get("input") or {})},
+            "function": {"name": b.get("name"), "arguments": _tool_input_arguments(b, streamed)},
         }
         for b in obj.get("content") or ()
         if b.get("type") == "tool_use"
@@ -270,7 +284,8 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
     if not body:
         return parsed
     failed_http = http_status is not None and http_status >= 400
-    if stream and not (failed_http and body[:1] == b"{"):
+    from_stream = stream and not (failed_http and body[:1] == b"{")
+    if from_stream:
         events, halves = _sse_events(body)
         if not events:
             if failed_http:
@@ -312,7 +327,7 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
         if api in ("chat", "completions"):
             parse_openai(obj, api, parsed)
         elif api == "messages":
-            parse_messages(obj, parsed)
+            parse_messages(obj, parsed, streamed=from_stream)
         elif api == "responses":
             parse_responses(obj, parsed)
         elif "error" in obj:
