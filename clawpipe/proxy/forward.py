@@ -422,6 +422,12 @@ def _refusal(req: wire.Request, header: CaptureHeader, api: str | None, cfg: Pro
             f"the proxy is already receiving {budget >> 20} MiB of request bodies (its --max-buffered-mb); "
             "retry shortly"
         )
+    if b"websocket" in req.headers.get(b"upgrade", b"").lower():  # a handshake: the client waits for a 101
+        return 501, (
+            f"WebSocket connections are not served ({req.method} {header.path} with Upgrade: websocket, as the "
+            "Realtime API and WebSocket modes open them): the proxy captures HTTP calls; send them over HTTP "
+            f"to {sorted(p for _, p in ROUTES)} (stream: true for events as they come)"
+        )
     if api is None:
         return 404, f"unknown endpoint {req.method} {header.path}: the proxy serves {sorted(p for _, p in ROUTES)}"
     return None

@@ -279,6 +279,14 @@ class ProxyServer:
             if req.path.startswith("/admin/"):
                 await handle_admin(self, conn, req)
                 return
+            if req.method == "CONNECT":  # a client given the proxy as HTTPS_PROXY: it asks for a tunnel
+                msg = (
+                    f"the clawpipe proxy is no forward proxy and opens no tunnel (CONNECT {req.target[:100]}): "
+                    "unset HTTPS_PROXY for this client and give it the base URL http://<proxy>/r/<key>/v1 instead"
+                )
+                conn.write(wire.error_response(501, msg, anthropic=None, keep_alive=False))
+                conn.finish(False)
+                return
             att, path = self.keys.authorize(req)
             anthropic = path.endswith(("/messages", "/count_tokens")) or b"anthropic-version" in req.headers
             if att is None:

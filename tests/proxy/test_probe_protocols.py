@@ -130,3 +130,60 @@ def test_curl_asking_for_an_h2c_upgrade_is_served_over_http_1_1(proxy: ProxyHand
     assert json.loads(out.stdout)["choices"][0]["message"]["content"] == "ok"
     (rec,) = proxy.records()
     assert rec.header["status"] == "ok" and rec.header["rollout_id"] == "h2c"
+
+
+def test_the_openai_realtime_client_is_refused_with_a_501_that_names_websocket(
+    proxy: ProxyHandle, upstream: ScriptedUpstream
+):
+    """The OpenAI SDK's Realtime client opens ``GET /v1/realtime`` with ``Upgrade: websocket``: it was a 404
+    listing the paths served, which reads as a wrong base URL; the call is captured once."""
+    import openai
+    from websockets.exceptions import InvalidStatus
+
+    client = openai.OpenAI(base_url=proxy.openai_base("realtime"), api_key="unused", max_retries=0)
+    with pytest.raises(InvalidStatus) as err, client.realtime.connect(model="m"):  # ws:// for an http base URL
+        pass
+    response = err.value.response
+    assert response.status_code == 501
+    assert "WebSocket connections are not served" in json.loads(response.body)["error"]["message"]
+    (rec,) = proxy.records()
+    assert rec.header["http_status"] == 501 and rec.header["status"] == "http_error"
+    assert rec.header["path"] == "/v1/realtime" and rec.header["query"] == "model=m"
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize("target", ["/v1/responses", "/v1/chat/completions", "/v1/realtime?model=m"])
+def test_a_websocket_handshake_on_any_path_is_a_captured_501(proxy: ProxyHandle, upstream, target: str):
+    head = (
+        f"GET /r/{key_for('ws')}{target} HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: websocket\r\n"
+        "sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    with _connect(proxy) as s:
+        s.sendall(head.encode() + b"GET /admin/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        out = read_all(s)
+    assert out.startswith(b"HTTP/1.1 501 ") and b"Upgrade: websocket" in out
+    assert out.count(b"HTTP/1.1 ") == 2  # no 101; the connection goes on in HTTP/1.1
+    (rec,) = proxy.records()
+    assert rec.header["http_status"] == 501 and rec.header["rollout_id"] == "ws"
+    assert upstream.requests == []
+
+
+def test_a_client_given_the_proxy_as_https_proxy_is_told_it_is_no_forward_proxy(
+    proxy: ProxyHandle, upstream: ScriptedUpstream
+):
+    """``CONNECT host:443`` was a 401 asking for a rollout key, which sends the user after the wrong fault."""
+    out = subprocess.run(
+        ["curl", "-sS", "-m", "10", "--proxy", proxy.url, "https://api.openai.com/v1/models"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 56 and "response 501" in out.stderr
+    with _connect(proxy) as s:
+        s.sendall(b"CONNECT api.openai.com:443 HTTP/1.1\r\nhost: api.openai.com:443\r\n\r\n")
+        answer = read_all(s)  # the proxy closes the connection after it
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 501 ")
+    message = json.loads(body)["error"]["message"]
+    assert "no forward proxy" in message and "/r/<key>/v1" in message
+    assert upstream.requests == [] and proxy.records() == []
