@@ -29,6 +29,10 @@ NPROC_SHARE = 16  # rlimit fallback: RLIMIT_NPROC is per uid, shared by sandboxe
 FDS_PER_SANDBOX = 16  # the runner's own descriptors per sandbox: pipes, logs, pidfd, listener, cgroup files
 FDS_RESERVED = 256  # the runner itself: result files, the proxy check, imports, logging
 MIN_CONNECTIONS = 4
+# Open files per sandbox process, soft and hard. Without it a harness inherited the runner's own limit (raised
+# for the bridge's connections, up to its hard limit): a few processes at a million descriptors each fill
+# the host's file table (fs.file-max), and every other process on the host then gets ENFILE.
+SANDBOX_NOFILE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +283,15 @@ def apply_file_size_limit(pid: int, limits: Limits) -> None:
     tmpfs can be mounted)."""
     size = limits.disk_mb << 20
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, size))
+
+
+def apply_process_limits(pid: int) -> None:
+    """What every sandbox gets whatever its cgroup: SANDBOX_NOFILE open files per process, and no core dumps
+    (hard limits, so the harness cannot raise them). A core file would land in the work dir the host reads
+    back; where the host's kernel.core_pattern pipes cores to a helper, that helper runs as root on the host
+    and writes outside the rollout's quota (systemd-coredump and apport store nothing at a limit of 0)."""
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (SANDBOX_NOFILE, SANDBOX_NOFILE))
+    resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
 
 
 def connection_cap(concurrency: int, wanted: int, nofile: int) -> int:

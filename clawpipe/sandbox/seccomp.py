@@ -9,9 +9,15 @@ host-wide knobs (clock, hostname, swap, reboot, quotas, syslog). clone3 gets ENO
 sit in memory a filter cannot read; the C library then falls back to clone, whose flags it can. A
 syscall made under another architecture's calling convention (i386 or x32 on x86_64) kills the process:
 its numbers mean different calls, and a filter keyed on the native ones would let them through.
+socket() of the AF_VSOCK family is denied too (as Docker's default profile does): vsock reaches the
+hypervisor of a virtual machine directly, past the sandbox's network namespace, which does not cover it.
+
+The docker backend stacks the same program on the engine's own profile (an engine older than 25.0 lets
+vsock through): :func:`loader_command` loads it in the container just before the harness is exec'd.
 
 The program: check the architecture, load the syscall number, compare it with each denied number, allow
-the rest. Built for x86_64 and aarch64 (the numbers are in :data:`SYSCALLS`).
+the rest (clone and socket go on to a check of their first argument). Built for x86_64 and aarch64 (the
+numbers are in :data:`SYSCALLS`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ SECCOMP_RET_ALLOW = 0x7FFF0000
 OFF_NR, OFF_ARCH, OFF_ARG0_LOW = 0, 4, 16  # args[0]'s low 32 bits (both architectures are little-endian)
 
 X32_SYSCALL_BIT = 0x40000000
+AF_VSOCK = 40
 CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 
@@ -61,6 +68,7 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "setns": (308, 268),
     "clone": (56, 220),
     "clone3": (435, 435),
+    "socket": (41, 198),
     "keyctl": (250, 219),
     "add_key": (248, 217),
     "request_key": (249, 218),
@@ -111,7 +119,7 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "ioperm": (173, None),
     "uselib": (134, None),
 }
-SPECIAL = ("clone", "clone3")  # filtered by flags / answered ENOSYS, not denied outright
+SPECIAL = ("clone", "clone3", "socket")  # filtered by an argument / answered ENOSYS, not denied outright
 
 
 def host_arch() -> Arch:
@@ -132,8 +140,8 @@ def build_filter(arch: Arch | None = None) -> bytes:
     arch = arch or host_arch()
     numbers = {name: n[arch.column] for name, n in SYSCALLS.items()}
     denied = sorted(nr for name, nr in numbers.items() if name not in SPECIAL and nr is not None)
-    clone, clone3 = numbers["clone"], numbers["clone3"]
-    assert clone is not None and clone3 is not None
+    clone, clone3, sock = numbers["clone"], numbers["clone3"], numbers["socket"]
+    assert clone is not None and clone3 is not None and sock is not None
     # After the comparisons: ALLOW, DENY, ENOSYS, KILL, then the clone check. A jump counts forward from the
     # next instruction, so each comparison's offset is computed from its own position.
     head: list[tuple[int, int, str | None]] = []  # (code, k, label jumped to when true)
@@ -146,9 +154,10 @@ def build_filter(arch: Arch | None = None) -> bytes:
     head.extend((BPF_JEQ_K, nr, "deny") for nr in denied)
     head.append((BPF_JEQ_K, clone3, "enosys"))
     head.append((BPF_JEQ_K, clone, "clone"))
+    head.append((BPF_JEQ_K, sock, "socket"))
     labels = {"arch_ok": 3}
     n = len(head)
-    labels.update({"allow": n, "deny": n + 1, "enosys": n + 2, "kill": n + 3, "clone": n + 4})
+    labels.update({"allow": n, "deny": n + 1, "enosys": n + 2, "kill": n + 3, "clone": n + 4, "socket": n + 8})
     out = []
     for i, (code, k, target) in enumerate(head):
         if target is None:
@@ -167,7 +176,37 @@ def build_filter(arch: Arch | None = None) -> bytes:
     out.append(_insn(BPF_JSET_K, CLONE_NEW_FLAGS, jt=1, jf=0))
     out.append(_insn(BPF_RET_K, SECCOMP_RET_ALLOW))
     out.append(_insn(BPF_RET_K, SECCOMP_RET_ERRNO | errno.EPERM))
+    # "socket": deny the vsock family (the domain is an int: its low 32 bits are all of it), allow the rest.
+    out.append(_insn(BPF_LD_W_ABS, OFF_ARG0_LOW))
+    out.append(_insn(BPF_JEQ_K, AF_VSOCK, jt=1, jf=0))
+    out.append(_insn(BPF_RET_K, SECCOMP_RET_ALLOW))
+    out.append(_insn(BPF_RET_K, SECCOMP_RET_ERRNO | errno.EPERM))
     return b"".join(out)
+
+
+# Run by the sandbox's Python (-I -S: nothing of the sandbox's is imported) as: LOADER <program hex> <command...>.
+# no_new_privs first (the kernel requires it of an unprivileged filter), then the filter, then exec; a command
+# that cannot start exits 127 with the shell's message, as it did when the shell exec'd it.
+LOADER = """
+import ctypes, os, sys
+prog = ctypes.create_string_buffer(bytes.fromhex(sys.argv[1]))
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+fprog = Fprog((len(prog) - 1) // 8, ctypes.addressof(prog))
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0):
+    sys.exit("clawpipe: cannot load the sandbox's seccomp filter: " + os.strerror(ctypes.get_errno()))
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    print(f"sh: 1: {sys.argv[2]}: {exc.strerror}", file=sys.stderr)
+    sys.exit(127)
+"""
+
+
+def loader_command(python: str, arch: Arch | None = None) -> list[str]:
+    """The argv prefix that loads :func:`build_filter`'s program with ``python`` and then execs the rest."""
+    return [python, "-I", "-S", "-c", LOADER, build_filter(arch).hex()]
 
 
 def memfd_with(data: bytes, name: str) -> int:

@@ -19,7 +19,14 @@ from typing import Protocol
 
 from clawpipe.errors import SandboxError
 from clawpipe.sandbox.bridge import Bridge, Route
-from clawpipe.sandbox.limits import Cgroup, CgroupLayout, Limits, apply_file_size_limit, apply_rlimits
+from clawpipe.sandbox.limits import (
+    Cgroup,
+    CgroupLayout,
+    Limits,
+    apply_file_size_limit,
+    apply_process_limits,
+    apply_rlimits,
+)
 from clawpipe.sandbox.manifest import KIT_ENV, HarnessManifest, expand_env
 from clawpipe.sandbox.uids import SHARED_GID, SHARED_UID, SHARED_USER, SandboxUser
 
@@ -210,7 +217,8 @@ def decode_shell_status(code: int) -> tuple[int | None, int | None]:
 
 def confine(pid: int, job: SandboxJob, layout: CgroupLayout) -> Cgroup:
     """Put ``pid`` (not yet running the harness) into a new cgroup with the job's limits; rlimits stand in for
-    the controllers the cgroup lacks. Raises SandboxError when the cgroup cannot be set up.
+    the controllers the cgroup lacks; file sizes, open files and core dumps are capped by rlimits in any case.
+    Raises SandboxError when the cgroup cannot be set up.
 
     The caller owns the returned cgroup: it reaps it with :func:`reap_cgroup` and removes it.
     """
@@ -225,6 +233,7 @@ def confine(pid: int, job: SandboxJob, layout: CgroupLayout) -> Cgroup:
         if missing:
             apply_rlimits(pid, job.limits, missing, job.timeout_s, shared_uid=job.user.shared)
         apply_file_size_limit(pid, job.limits)
+        apply_process_limits(pid)
     except BaseException:
         if cgroup is not None:
             cgroup.remove()  # kills whatever got in, then removes the group

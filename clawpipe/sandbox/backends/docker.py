@@ -9,9 +9,10 @@ read-only (``read_only=True``, private /tmp tmpfs).
 Network: a small *holder* container (``sleep infinity``, network none) owns the network namespace; the
 host opens the bridge listener inside it (State.Pid) and the harness container joins it with
 ``network_mode=container:<holder>`` (the pod pattern), so the listener exists before the harness runs.
-Limits: mem_limit (= memswap), nano_cpus, pids_limit; cap_drop ALL, no-new-privileges, and the job's own
-host uid/gid (clawpipe.sandbox.uids), so no kernel per-uid budget is shared with a neighbour; a rootless or
-userns-remapping engine maps no such uid, so there every container runs as 65534 (with a warning).
+Limits: mem_limit (= memswap), nano_cpus, pids_limit, open files, no core dumps; cap_drop ALL, no-new-privileges,
+the engine's seccomp profile with the bwrap backend's filter stacked on it (clawpipe.sandbox.seccomp),
+and the job's own host uid/gid (clawpipe.sandbox.uids), so no kernel per-uid budget is shared with a neighbour;
+a rootless or userns-remapping engine maps no such uid, so there every container runs as 65534 (with a warning).
 The harness's environment (its key among it) is not given to Docker, whose ``docker inspect`` shows a
 container's Env to anyone who can reach the engine: it is written to a file in the rollout folder (mode
 0400, owned by the sandbox user), bound read-only at ``/run/clawpipe.env``, and sourced by ``/bin/sh``
@@ -38,6 +39,7 @@ from typing import Any
 
 import docker
 import docker.errors
+import docker.types
 import requests.exceptions
 
 from clawpipe.errors import SandboxError
@@ -55,6 +57,8 @@ from clawpipe.sandbox.backends.base import (
     identity_files,
 )
 from clawpipe.sandbox.bridge import Bridge, listen_in_netns
+from clawpipe.sandbox.limits import SANDBOX_NOFILE
+from clawpipe.sandbox.seccomp import loader_command
 from clawpipe.sandbox.uids import SHARED_USER, SandboxUser
 
 logger = logging.getLogger(__name__)
@@ -152,6 +156,7 @@ class DockerBackend:
         except docker.errors.DockerException as exc:
             raise SandboxError(f"no Docker engine answers ({exc}); start dockerd or set DOCKER_HOST") from exc
         self.python = python or PythonEnv.current()
+        self._loader = self._filter_loader()
         self.inner_port = inner_port
         self.tmpfs_mb = tmpfs_mb
         try:
@@ -227,12 +232,26 @@ class DockerBackend:
         else:  # docker-group user: the container's uid must still read it
             os.chmod(path, 0o444)
 
+    def _filter_loader(self) -> list[str]:
+        """What runs the harness under the bwrap backend's seccomp filter, stacked on the engine's profile
+        (nothing on a machine that filter is not built for: the engine's profile alone, with a warning)."""
+        try:
+            return loader_command(str(self.python.bin / "python3"))
+        except SandboxError as exc:
+            logger.warning("docker sandboxes get the engine's seccomp profile only: %s", exc)
+            return []
+
     def _common(self, job: SandboxJob) -> dict[str, Any]:
         return {
             "user": f"{self.user(job).uid}:{self.user(job).gid}",
             "read_only": True,
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
+            # as in the other backends (clawpipe.sandbox.limits.apply_process_limits): not the engine's defaults
+            "ulimits": [
+                docker.types.Ulimit(name="nofile", soft=SANDBOX_NOFILE, hard=SANDBOX_NOFILE),
+                docker.types.Ulimit(name="core", soft=0, hard=0),
+            ],
             "labels": {LABEL: job.rollout_id},
         }
 
@@ -273,7 +292,7 @@ class DockerBackend:
                 self._write_env(job, env)
                 container = self.client.containers.create(
                     self.image,
-                    [*ENV_LAUNCHER, *job.manifest.resolve_command(INNER_HARNESS)],
+                    [*ENV_LAUNCHER, *self._loader, *job.manifest.resolve_command(INNER_HARNESS)],
                     name=f"cp-run{suffix}",
                     network_mode=f"container:{holder.id}",
                     working_dir=INNER_WORKDIR,
