@@ -178,7 +178,7 @@ class _Batch:
                 break
         if outcome is not None and rdir is not None:
             try:
-                conclude(result, outcome, rdir, manifest.limits.disk_mb)
+                conclude(result, outcome, rdir, manifest.limits, timeout)
                 score(
                     result,
                     spec,
