@@ -12,6 +12,7 @@ no part of its call behind.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import orjson
@@ -19,6 +20,8 @@ import orjson
 from clawpipe import capture
 from clawpipe.lake import rows
 from clawpipe.lake.parse import ParsedCall, parse_response
+
+log = logging.getLogger(__name__)
 
 _NULL = b"null"
 
@@ -83,6 +86,7 @@ def call_values(header: capture.CaptureHeader, request: bytes, response: bytes, 
         "offset": off,
     }
     n_rows = max(1, len(choice_ids))
+    indexes = _choice_indexes(parsed, n_rows)
     choices = []
     for i in range(n_rows):
         choice = parsed.choices[i] if i < len(parsed.choices) else None
@@ -91,10 +95,9 @@ def call_values(header: capture.CaptureHeader, request: bytes, response: bytes, 
             row_prompt = rows.id_list(choice.prompt_token_ids, "prompt_token_ids", parsed.typed)
         ids = choice_ids[i] if i < len(choice_ids) else None
         tools = choice.tool_calls if choice is not None else None
-        index = rows.int_value(choice.index, "choice index") if choice is not None else None
         choices.append(
             {
-                "choice_index": i if index is None else index,
+                "choice_index": indexes[i],
                 "prompt_token_ids": row_prompt,
                 "completion_token_ids": ids,
                 "completion_logprobs": choice_lps[i] if i < len(choice_lps) else None,
@@ -105,6 +108,23 @@ def call_values(header: capture.CaptureHeader, request: bytes, response: bytes, 
             }
         )
     return CallValues(call, choices, mismatch, stream_error)
+
+
+def _choice_indexes(parsed: ParsedCall, n_rows: int) -> list[int]:
+    """Each row's choice_index: the index the server gave its choice (its place in the list where it gave
+    none). A call's rows are told apart by it (the trees' call-to-path link, training's join of a call with
+    its place in the trees), so where the server repeats an index (a gateway that makes n calls of one
+    choice each answers index 0 n times), every row takes its place in the list instead: two rows with one
+    index would each be joined to the other's path and trained with the other's logprobs."""
+    given = [
+        rows.int_value(parsed.choices[i].index, "choice index") if i < len(parsed.choices) else None
+        for i in range(n_rows)
+    ]
+    indexes = [i if x is None else x for i, x in enumerate(given)]
+    if len(set(indexes)) < len(indexes):
+        log.debug("choices of one call repeat an index (%s): numbered by their place instead", indexes)
+        return list(range(n_rows))
+    return indexes
 
 
 def _token_lists(
