@@ -40,8 +40,8 @@ def judge(o: Outcome, response: bytes, *, anthropic: bool) -> Verdict:
         if o.status >= 400:
             return Verdict("http_error", o.status, response[:500].decode("utf-8", "replace"), response)
         return Verdict("ok", o.status, None, response)
-    if o.outcome == "cancelled":
-        return Verdict("cancelled", o.status or 499, o.error, response)
+    if o.outcome == "cancelled":  # the client went away: it got the upstream's status only with a stream's head
+        return Verdict("cancelled", o.status if o.streaming else 499, o.error, response)
     if o.outcome == "shutdown":
         if o.streaming:
             return Verdict("cancelled", o.status, o.error, response)
