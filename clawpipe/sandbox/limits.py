@@ -31,8 +31,9 @@ FDS_RESERVED = 256  # the runner itself: result files, the proxy check, imports,
 MIN_CONNECTIONS = 4
 # Open files per sandbox process, soft and hard. Without it a harness inherited the runner's own limit (raised
 # for the bridge's connections, up to its hard limit): a few processes at a million descriptors each fill
-# the host's file table (fs.file-max), and every other process on the host then gets ENFILE.
-SANDBOX_NOFILE = 4096
+# the host's file table (fs.file-max), and every other process on the host then gets ENFILE. Room enough for
+# a program holding one descriptor per level of a 10,000-deep folder tree.
+SANDBOX_NOFILE = 16384
 
 
 @dataclass(frozen=True, slots=True)
