@@ -70,7 +70,7 @@ class CallBatch:
     failed: np.ndarray  # status other than ok
     truncated: np.ndarray
     retokenized: np.ndarray  # ids re-encoded by the proxy, not the ones sampled: kept out
-    no_ids: np.ndarray  # no prompt ids at all: kept out
+    no_ids: np.ndarray  # no prompt ids at all (null or empty): kept out
     call_code: np.ndarray
     rollout_code: np.ndarray
     rollout_ids: list[str]
@@ -162,7 +162,9 @@ def prepare(calls: pa.Table) -> CallBatch:
     # Exact ids are the ones the engine saw: an upstream call's, or a failed call's prompt ids (taken from
     # its request: token_source stays none there, as nothing was sampled). Re-encoded ids are not exact.
     retokenized = np.array([s == TokenSource.retokenized for s in source], dtype=bool)
-    no_ids = ~retokenized & ~has_ids
+    # an empty prompt id list is no ids either: an engine always has a prompt (a template, a BOS), so a
+    # completion after [] would be trained as if sampled from nothing
+    no_ids = ~retokenized & (~has_ids | (prompt.length == 0))
     sampled = np.array([s == TokenSource.upstream or s is None for s in source], dtype=bool)
     glen = np.where(failed | ~sampled, 0, completion.length)
     in_tree = ~retokenized & ~no_ids & (prompt.length + glen > 0)
