@@ -81,7 +81,7 @@ def link_leaves(entry: Entry, root: Path) -> bool:
         if target is not None and target.is_absolute():
             return target != root and root not in target.parents
     text = os.readlink(entry.name, dir_fd=entry.dir_fd)
-    return text.startswith("/") or ".." in Path(text).parts
+    return text.startswith("/") or ".." in text.split("/")
 
 
 def chown_tree(path: Path, uid: int, gid: int) -> None:
