@@ -4,18 +4,51 @@
 --   choice - no other choice of the branch call ends below a sibling of the branch;
 --   drift  - the re-encoded call (drift_call_id) is not an earlier call of the same rollout.
 -- Nodes are numbered in preorder, so the subtree of node n is [n, first later node with depth <= depth(n)).
-with calls as (
+-- Calls are ranked as the tree builder ranks them: by seq, but by t_start in a rollout whose calls went through
+-- two proxies (or a restarted one), each numbering a rollout's calls from 0, so that two calls share a seq.
+with per_call as (
     select
         run_id,
         iteration,
         call_id,
         any_value(rollout_id) as rollout_id,
-        row_number() over (
-            partition by run_id, iteration, any_value(rollout_id)
-            order by min(seq) nulls last, min(t_start) nulls last, call_id
-        ) as call_rank
+        min(seq) as seq,
+        min(t_start) as t_start
     from model_calls
     group by run_id, iteration, call_id
+),
+
+clashing as (
+    select distinct
+        run_id,
+        iteration,
+        rollout_id
+    from per_call
+    where seq is not null
+    group by run_id, iteration, rollout_id, seq
+    having count(*) > 1
+),
+
+calls as (
+    select
+        per_call.run_id,
+        per_call.iteration,
+        per_call.call_id,
+        per_call.rollout_id,
+        row_number() over (
+            partition by per_call.run_id, per_call.iteration, per_call.rollout_id
+            order by
+                case when clashing.rollout_id is null then per_call.seq end nulls last,
+                per_call.t_start nulls last,
+                per_call.seq nulls last,
+                per_call.call_id
+        ) as call_rank
+    from per_call
+    left join clashing
+        on
+            per_call.run_id = clashing.run_id
+            and per_call.iteration = clashing.iteration
+            and per_call.rollout_id = clashing.rollout_id
 ),
 
 labelled as (

@@ -75,6 +75,17 @@ lineages as (
     where child.branch_cause is null or child.branch_cause = 'subagent'
 ),
 
+clashing as (
+    -- rollouts whose calls went through two proxies (or a restarted one): each numbers a rollout's calls
+    -- from 0, so two calls share a seq, and such a rollout is ranked by t_start (as the tree builder does)
+    select distinct model_calls.rollout_id
+    from model_calls
+    inner join listed on model_calls.rollout_id = listed.rollout_id
+    where model_calls.run_id = $run_id and model_calls.iteration = $iteration and model_calls.seq is not null
+    group by model_calls.rollout_id, model_calls.seq
+    having count(distinct model_calls.call_id) > 1
+),
+
 calls as (
     -- each call x choice of the listed rollouts where its path ends in its rollout tree (tree_sequences)
     select
@@ -85,11 +96,13 @@ calls as (
         tree_sequences.n_prompt + tree_sequences.n_generated as n_tokens,
         row_number() over (
             partition by tree_sequences.rollout_id
-            order by model_calls.seq nulls last, model_calls.t_start nulls last, tree_sequences.call_id,
+            order by case when clashing.rollout_id is null then model_calls.seq end nulls last,
+                model_calls.t_start nulls last, model_calls.seq nulls last, tree_sequences.call_id,
                 tree_sequences.choice_index
         ) as call_rank
     from tree_sequences
     inner join listed on tree_sequences.tree_id = listed.tree_id
+    left join clashing on tree_sequences.rollout_id = clashing.rollout_id
     left join model_calls
         on
             tree_sequences.call_id = model_calls.call_id

@@ -7,6 +7,7 @@ pipeline stage, the real `clawpipe train` subprocess with the tiny policy.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -107,6 +108,26 @@ def test_interleaved_subagent_with_more_calls_than_main(tmp_path):
     for k in range(4):
         comp = [90 + 5 * k + j for j in range(3)]
         sub.append(call(f"r0-sub{k}", "r0", k + 1, list(ctx), comp))
+        ctx = ctx + comp + [95 + k]
+    land(lake, [m0, *sub, m1], [("r0", "g0", "claude-code", 0.5)])
+    kept, stats = loaded_calls(lake, ["claude-code"])
+    assert kept == {"r0-main0", "r0-main1"}
+    assert stats["side_calls_excluded"] == 4
+
+
+def test_interleaved_subagent_through_a_second_proxy(tmp_path):
+    """The same interleaved sub-agent, its 4 calls through a second proxy (numbered 0-3 there, as each proxy
+    numbers a rollout's calls from 0): ranked by seq, the main lineage's last call (seq 1) came before the
+    sub-agent's and the sub-agent would pass for the main one; ranked by time, as for any rollout whose seq
+    numbers clash, the main trajectory still starts and ends the rollout."""
+    lake = tmp_path / "lake"
+    t0 = datetime(2026, 12, 1, tzinfo=UTC)
+    m0, m1 = main_lineage("r0", [0, 1])
+    m0["t_start"], m1["t_start"] = t0, t0 + timedelta(seconds=5)
+    sub, ctx = [], [*SUB_SYS, 7, 7]
+    for k in range(4):
+        comp = [90 + 5 * k + j for j in range(3)]
+        sub.append({**call(f"r0-sub{k}", "r0", k, list(ctx), comp), "t_start": t0 + timedelta(seconds=k + 1)})
         ctx = ctx + comp + [95 + k]
     land(lake, [m0, *sub, m1], [("r0", "g0", "claude-code", 0.5)])
     kept, stats = loaded_calls(lake, ["claude-code"])

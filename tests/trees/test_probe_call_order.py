@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.lake import land
+from clawpipe.lake.query import run_audits
 from clawpipe.trees import build_iteration
 from tests.apis import captures as cx
 from tests.lake import fixtures as fx
@@ -70,6 +71,9 @@ class TwoProxies:
         lake = tmp_path / "lake"
         assert len(cx.calls(lake)) == self.n
         build_iteration(lake, cx.RUN, 0)
+        # the label audit ranks the calls as the builder does: the labels it gave are backed, not offending
+        offending = {name: t.num_rows for name, t in run_audits(lake).items() if t.num_rows}
+        assert offending == {}
         return lake
 
 
