@@ -121,13 +121,13 @@ class ClientConn(asyncio.Protocol):
     def pause_writing(self) -> None:
         """The harness reads slower than the upstream writes: stop reading the upstream (backpressure)."""
         up = self.call.up if self.call is not None else None
-        if up is not None and up.transport is not None:
-            up.transport.pause_reading()
+        if up is not None:
+            up.pause()
 
     def resume_writing(self) -> None:
         up = self.call.up if self.call is not None else None
-        if up is not None and up.transport is not None:
-            up.transport.resume_reading()
+        if up is not None:
+            up.resume()
 
     def write(self, data: bytes) -> None:
         if self.closed or self.transport is None:

@@ -52,6 +52,7 @@ class UpstreamConn(asyncio.Protocol):
         "got_bytes",
         "last_activity",
         "loop",
+        "paused",
         "replica",
         "sink",
         "transport",
@@ -64,6 +65,7 @@ class UpstreamConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sink: Sink | None = None
         self.usable = False
+        self.paused = False  # reading paused for a slow client
         self._buf = b""
         self._state = _DONE
         self._left = 0
@@ -293,6 +295,17 @@ class UpstreamConn(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(request)
 
+    def pause(self) -> None:
+        """Stop reading: the client reads slower than the upstream sends (backpressure)."""
+        if self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+
     def detach(self) -> None:
         """Stop reporting to the current sink and drop the connection (the call was cancelled)."""
         self.sink = None
@@ -404,6 +417,9 @@ class Replica:
 
     def release(self, conn: UpstreamConn) -> None:
         if len(self.idle) < self.max_idle:
+            # paused for a slow client (backpressure) by the read that ended its response: a pooled connection
+            # that does not read would leave the next call's answer unread until it timed out
+            conn.resume()
             self.idle.append(conn)
             self._wake()
         else:
