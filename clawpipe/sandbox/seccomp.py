@@ -186,7 +186,9 @@ def build_filter(arch: Arch | None = None) -> bytes:
 
 # Run by the sandbox's Python (-I -S: nothing of the sandbox's is imported) as: LOADER <program hex> <command...>.
 # no_new_privs first (the kernel requires it of an unprivileged filter), then the filter, then exec; a command
-# that cannot start exits 127 with the shell's message, as it did when the shell exec'd it.
+# that cannot start exits 127 with the shell's message, as it did when the shell exec'd it. The one trace it
+# leaves: where the harness's declared locale is C or POSIX, Python has set LC_CTYPE=C.UTF-8 (its locale
+# coercion, which -I leaves on), and the harness inherits that.
 LOADER = """
 import ctypes, os, sys
 prog = ctypes.create_string_buffer(bytes.fromhex(sys.argv[1]))
