@@ -48,10 +48,15 @@ def limit_notes(status: RolloutStatus, outcome: Outcome, limits: Limits, timeout
             f"the harness was still running at its time limit of {timeout_s:g} s and was killed with every process "
             "it started (timeout_s in harness.toml, or the rollout's --timeout)"
         )
-    elif status == RolloutStatus.oom:
+    elif status == RolloutStatus.oom and outcome.oom:
         notes.append(
             f"the harness ran out of its memory limit of {limits.memory_mb} MB ([resources] memory_mb in "
             "harness.toml; files in its /tmp, /dev/shm and work dir count toward it)"
+        )
+    elif status == RolloutStatus.oom:  # no memory cgroup: the address-space rlimit stood in for it
+        notes.append(
+            f"Python raised MemoryError at the harness's address-space limit of {limits.memory_mb} MB "
+            "([resources] memory_mb in harness.toml)"
         )
     if outcome.pids_limited:
         notes.append(

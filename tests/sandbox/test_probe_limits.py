@@ -73,3 +73,30 @@ def test_each_limit_a_harness_runs_into_is_named_with_its_setting(
     assert "memory limit of 64 MB" in oom.error and "memory_mb" in oom.error and "/tmp" in oom.error, oom.error
     assert forks.status == "failed" and "refused" in forks.stderr_tail, (forks.status, forks.stderr_tail[-500:])
     assert forks.error is not None and "limit of 12" in forks.error and "[resources] pids" in forks.error, forks.error
+
+
+@pytest.mark.sandbox
+def test_without_a_memory_cgroup_the_error_names_the_address_space_limit(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    from clawpipe.sandbox.backends.bwrap import BwrapBackend
+    from clawpipe.sandbox.limits import CgroupLayout
+
+    hog = "chunks = []\nfor _ in range(100):\n    chunks.append(b'x' * (16 << 20))\n"
+    m = load_manifest(make_harness(tmp_path, "hog", hog, resources={"memory_mb": 128}))
+    backend = BwrapBackend(cgroups=CgroupLayout(version=0))  # as where no cgroup is writable: rlimits only
+    try:
+        res = run_rollouts(
+            [RolloutSpec(run_id="lim", iteration=0, harness=m, task=echo.generate(1)[0], model="m")],
+            proxy_url=upstream.url,
+            backend=backend,
+            results_path=tmp_path / "results.jsonl",
+            secret=b"k",
+            scratch_dir=tmp_path / "scratch",
+            task_sets={"echo": echo},
+        )
+    finally:
+        backend.close()
+    assert res[0].status == "oom" and res[0].error is not None, (res[0].status, res[0].error)
+    assert "MemoryError" in res[0].error and "limit of 128 MB" in res[0].error and "memory_mb" in res[0].error
+    assert "/tmp" not in res[0].error, res[0].error  # the rlimit does not count files: the row does not say so
