@@ -205,8 +205,14 @@ class CallPath:
         anthropic: bool,
     ) -> None:
         fwd_headers = b"".join(
-            n + b": " + v + b"\r\n" for n, v in req.headers.items() if n in wire.FORWARDED_REQUEST_HEADERS
+            n + b": " + v + b"\r\n"
+            for n, v in req.headers.items()
+            if n in wire.FORWARDED_REQUEST_HEADERS and (api == "models" or n != b"content-type")
         )
+        if api != "models":  # the body was read as JSON above: it goes labelled as such, whatever the client said
+            # (curl -d says form-urlencoded, a string body in fetch text/plain; servers built on FastAPI, vLLM's
+            # among them, then take the body for a string and refuse the call)
+            fwd_headers = b"content-type: application/json\r\n" + fwd_headers
         # the rollout, for the engine to carry its own sampled ids into the rollout's next prompts; a header of
         # that name from the client is never forwarded (only FORWARDED_REQUEST_HEADERS are)
         fwd_headers += wire.rollout_header(header.run_id, header.iteration, header.rollout_id)
