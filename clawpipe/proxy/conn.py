@@ -205,6 +205,12 @@ class ClientConn(asyncio.Protocol):
 
     def _read_head(self, src: bytes | bytearray, pos: int) -> int:
         """Take a complete head from ``src`` at ``pos``: the position after it, or -1 (need more, or refused)."""
+        if src.startswith(b"\r\n", pos):  # empty lines before a request line are ignored (RFC 9112 2.2): some
+            end = pos + 2  # clients end a body with a CRLF more than its length holds
+            while src.startswith(b"\r\n", end):
+                end += 2
+            self._head_scanned = 0  # the head timeout runs on: empty lines alone never hold a connection open
+            return end
         start = pos + max(0, self._head_scanned - 3)  # an incomplete head is not searched again
         end = src.find(b"\r\n\r\n", start)
         if end < 0:

@@ -96,3 +96,19 @@ def test_a_client_leaving_during_the_first_of_its_pipelined_calls_has_only_that_
         assert [json.loads(r.body)["messages"][0]["content"] for r in upstream.model_requests()] == ["first"]
     finally:
         upstream.stop()
+
+
+def test_an_empty_line_after_a_body_is_ignored_and_the_next_request_served(
+    proxy: ProxyHandle, upstream: ScriptedUpstream
+):
+    """RFC 9112 2.2: a server ignores empty lines before a request line. The CRLF some clients send after a
+    body made the next request's line empty: a 400, and the connection closed."""
+    with _connect(proxy) as s:
+        s.sendall(_request("crlf1", False) + b"\r\n")
+        time.sleep(0.2)  # the CRLF arrives alone, after the call
+        s.sendall(b"\r\n" + _request("crlf2", True, chunked=True) + b"\r\n\r\n" + _request("crlf3", False, close=True))
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    assert [status for status, _ in _answers(out)] == [b"HTTP/1.1 200 OK"] * 3
+    assert [r.header["rollout_id"] for r in proxy.records()] == ["crlf1", "crlf2", "crlf3"]
