@@ -1,7 +1,7 @@
 """HTTP/1.1 pipelining with streams: several requests written at once on one connection, streamed and not,
 framed by Content-Length and chunked (with a trailer), are answered in order, each in its own framing, and each
 captured once; a client that leaves during the first answer has it captured as cancelled and the requests
-behind it are neither forwarded nor captured."""
+behind it are neither forwarded nor captured; an empty line between requests is skipped."""
 
 from __future__ import annotations
 
