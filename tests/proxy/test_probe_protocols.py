@@ -72,7 +72,7 @@ def test_curl_with_http2_prior_knowledge_reads_the_refusal(proxy: ProxyHandle, u
         timeout=30,
     )
     assert "GOAWAY, error=13" in out.stderr  # 13: HTTP_1_1_REQUIRED; before: "Send failure: Broken pipe"
-    assert out.returncode == 16  # curl's HTTP/2 framing error, not its timeout (28)
+    assert out.returncode not in (0, 28)  # an error at once (curl 7.88: 16, its HTTP/2 framing error), not a timeout
     assert upstream.requests == [] and proxy.records() == []
 
 
