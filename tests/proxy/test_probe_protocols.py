@@ -11,7 +11,9 @@ import socket
 import subprocess
 import time
 
+import openai
 import pytest
+from websockets.exceptions import InvalidStatus
 
 from tests.proxy.conftest import ProxyHandle, key_for
 from tests.support.net import read_all
@@ -137,9 +139,6 @@ def test_the_openai_realtime_client_is_refused_with_a_501_that_names_websocket(
 ):
     """The OpenAI SDK's Realtime client opens ``GET /v1/realtime`` with ``Upgrade: websocket``: it was a 404
     listing the paths served, which reads as a wrong base URL; the call is captured once."""
-    import openai
-    from websockets.exceptions import InvalidStatus
-
     client = openai.OpenAI(base_url=proxy.openai_base("realtime"), api_key="unused", max_retries=0)
     with pytest.raises(InvalidStatus) as err, client.realtime.connect(model="m"):  # ws:// for an http base URL
         pass
