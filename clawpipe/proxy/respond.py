@@ -50,6 +50,8 @@ def after_call(
 def send_json(conn: ClientConn, status: int, body: bytes, keep: bool) -> None:
     """Answer with a JSON body the proxy made (an error in the API's shape)."""
     headers = [(b"content-type", b"application/json")]
+    if status == 415:  # the proxy's only 415 refuses a coded body: say which coding it takes (RFC 9110 12.5.3)
+        headers.append((b"accept-encoding", b"identity"))
     if not keep:
         headers.append((b"connection", b"close"))
     conn.write(wire.response_head(status, headers, length=len(body)) + body)

@@ -135,6 +135,7 @@ def test_a_body_in_any_content_coding_is_a_captured_415_naming_it(proxy: ProxyHa
         f"{proxy.openai_base('coded')}/chat/completions", content=packed, headers={"content-encoding": coding}
     )
     assert r.status_code == 415, r.text
+    assert r.headers["accept-encoding"] == "identity"  # the coding the proxy takes
     assert f"Content-Encoding '{coding}' is not supported" in r.json()["error"]["message"]
     (rec,) = proxy.records()
     assert rec.request == packed and rec.header["http_status"] == 415
