@@ -117,37 +117,53 @@ def _reset(conn: socket.socket) -> None:
 
 
 class _RequestCounter:
-    """Counts HTTP/1.1 requests in a client byte stream (Content-Length and chunked bodies)."""
+    """Counts HTTP/1.1 requests in a client byte stream (Content-Length and chunked bodies).
+
+    Linear in the bytes fed however the stream is cut: a head is searched for from where the last search
+    stopped, and the buffer never holds more than one unfinished head (a harness writing a byte at a time
+    would otherwise make the bridge's thread copy and search its whole buffer again for every byte)."""
 
     def __init__(self) -> None:
         self.count = 0
-        self._buf = b""
+        self._buf = bytearray()
+        self._scan = 0  # where the next search of _buf starts: no match can end before it
         self._body_left = 0
         self._chunked = False
+        self._lost = False  # a head past 64 KB: not HTTP this counts, so the rest of the stream is not read
 
     def feed(self, data: bytes) -> None:
-        self._buf += data
+        buf = self._buf
+        if self._lost or self._body_left >= len(data):  # body bytes pass without being buffered
+            self._body_left -= len(data)
+            return
+        buf += data
         while True:
             if self._body_left:
-                take = min(self._body_left, len(self._buf))
-                self._buf = self._buf[take:]
+                take = min(self._body_left, len(buf))
+                del buf[:take]
                 self._body_left -= take
                 if self._body_left:
                     return
+                self._scan = 0
             if self._chunked:
-                end = self._buf.find(b"0\r\n\r\n")
+                end = buf.find(b"0\r\n\r\n", self._scan)
                 if end < 0:
-                    self._buf = self._buf[-4:]
+                    del buf[:-4]  # the end marker may straddle the next read
+                    self._scan = 0
                     return
-                self._buf = self._buf[end + 5 :]
+                del buf[: end + 5]
+                self._scan = 0
                 self._chunked = False
-            head_end = self._buf.find(b"\r\n\r\n")
+            head_end = buf.find(b"\r\n\r\n", self._scan)
             if head_end < 0:
-                if len(self._buf) > 65536:  # not HTTP we understand: stop counting, keep forwarding
-                    self._buf = b""
+                if len(buf) > 65536:  # not HTTP we understand: stop counting, keep forwarding
+                    buf.clear()
+                    self._lost = True
+                self._scan = max(0, len(buf) - 3)
                 return
-            head = self._buf[:head_end].decode("latin-1").lower()
-            self._buf = self._buf[head_end + 4 :]
+            head = bytes(buf[:head_end]).decode("latin-1").lower()
+            del buf[: head_end + 4]
+            self._scan = 0
             self.count += 1
             for line in head.split("\r\n")[1:]:
                 name, _, value = line.partition(":")
