@@ -48,6 +48,8 @@ def whole_characters(value: Any) -> Any:
 # vLLM's reasoning parsers put the model's thinking in its own field of a chat message and its deltas:
 # ``reasoning_content`` in older releases, ``reasoning`` in newer ones (some servers send both).
 _REASONING_KEYS = ("reasoning_content", "reasoning")
+# the one key of a streamed tool input whose JSON was cut short (max_tokens mid-call): the text received
+UNPARSED_INPUT = "_unparsed"
 
 
 def reassemble_openai_stream(events: list[dict[str, Any]], api: str) -> dict[str, Any]:
@@ -210,7 +212,7 @@ def reassemble_messages_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
             try:
                 block["input"] = orjson.loads(text) if text else {}
             except orjson.JSONDecodeError:
-                block["input"] = {"_unparsed": text}
+                block["input"] = {UNPARSED_INPUT: text}
         msg["content"].append(block)
     return msg
 

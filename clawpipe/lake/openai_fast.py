@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from clawpipe.lake.parsed import Choice, ParsedCall, chat_tool_calls, drop_echoed_prompt
+from clawpipe.lake.parsed import Choice, ParsedCall, chat_tool_calls, drop_echoed_prompts
 
 CUT_MIN_BYTES = 32 << 10
 _PROMPT_KEY = b'"prompt_token_ids"'
@@ -157,9 +157,6 @@ def parse_openai_fast(body: bytes, api: str) -> ParsedCall | None:
             )
         )
     if api == "completions":  # echo: the prompt's logprobs come first (when a server sends no null for its first)
-        one = len(choices) == 1
-        for choice in choices:
-            pt, ct = (parsed.prompt_tokens, parsed.completion_tokens) if one else (None, None)
-            drop_echoed_prompt(choice, prompt, pt, ct)
+        drop_echoed_prompts(choices, prompt, parsed.prompt_tokens, parsed.completion_tokens)
     parsed.choices = choices
     return parsed

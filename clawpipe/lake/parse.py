@@ -23,9 +23,9 @@ from typing import Any
 import orjson
 
 from clawpipe.apis.sse import read_events
-from clawpipe.apis.streams import reassemble, whole_characters
+from clawpipe.apis.streams import UNPARSED_INPUT, reassemble, whole_characters
 from clawpipe.lake.openai_fast import CUT_MIN_BYTES, cut_prompt_ids, parse_openai_fast
-from clawpipe.lake.parsed import Choice, ParsedCall, ParseError, chat_tool_calls, drop_echoed_prompt
+from clawpipe.lake.parsed import Choice, ParsedCall, ParseError, chat_tool_calls, drop_echoed_prompts
 
 __all__ = ["Choice", "ParseError", "ParsedCall", "parse_messages", "parse_openai", "parse_response", "parse_responses"]
 
@@ -163,23 +163,12 @@ def parse_openai(obj: dict[str, Any], api: str, parsed: ParsedCall) -> None:
     _read_top_fields(obj, parsed)
     _usage_openai(parsed, obj.get("usage"))
     parsed.choices = [_openai_choice(c, api) for c in obj.get("choices") or ()]
-    if api == "completions":
-        one = len(parsed.choices) == 1
-        for choice in parsed.choices:
-            drop_echoed_prompt(
-                choice,
-                parsed.prompt_token_ids,
-                parsed.prompt_tokens if one else None,
-                parsed.completion_tokens if one else None,
-            )
+    if api == "completions":  # echo: the prompt's logprobs come first
+        drop_echoed_prompts(parsed.choices, parsed.prompt_token_ids, parsed.prompt_tokens, parsed.completion_tokens)
 
 
 # --------------------------------------------------------------------------------------------------
 # Anthropic messages
-
-
-# what the stream reassembler makes of a tool input whose JSON was cut short (clawpipe.apis.streams)
-_UNPARSED = "_unparsed"
 
 
 def _tool_input_arguments(block: dict[str, Any], streamed: bool) -> str:
@@ -187,8 +176,8 @@ def _tool_input_arguments(block: dict[str, Any], streamed: bool) -> str:
     max_tokens, mid-call) leaves JSON text that does not parse, which reassembly wraps as ``{"_unparsed": text}``:
     the arguments are that text, as chat and Responses give the arguments they received so far."""
     inp = block.get("input")
-    if streamed and isinstance(inp, dict) and len(inp) == 1 and isinstance(inp.get(_UNPARSED), str):
-        return str(inp[_UNPARSED])
+    if streamed and isinstance(inp, dict) and len(inp) == 1 and isinstance(inp.get(UNPARSED_INPUT), str):
+        return str(inp[UNPARSED_INPUT])
     return _dumps(inp or {})
 
 

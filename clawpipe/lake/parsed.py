@@ -40,28 +40,33 @@ class ParsedCall:
     stream_error: bool = False
 
 
-def drop_echoed_prompt(choice: Choice, prompt: Any, usage_prompt: int | None, usage_completion: int | None) -> None:
-    """Keep only the completion's logprobs of a completions choice whose request set ``echo``.
+def drop_echoed_prompts(
+    choices: list[Choice], prompt: Any, usage_prompt: int | None, usage_completion: int | None
+) -> None:
+    """Keep only the completion's logprobs of each completions choice whose request set ``echo``.
 
     vLLM echoes the prompt into the text and into the logprobs: ``token_logprobs`` holds the prompt's logprobs
     first (the first of them null), then the sampled tokens', while ``token_ids`` holds the sampled ids only.
     Left whole, the list is one a trainer would read as the sampling logprobs of the completion's ids. A
-    list exactly as long as the prompt and the completion together is cut to its last part; without ids
-    (no ``return_token_ids``) the lengths come from the usage, which counts one choice's tokens only
-    when there is one choice (the caller passes None otherwise).
+    list exactly as long as the prompt (the choice's own, else ``prompt``) and the completion together is
+    cut to its last part; without ids (no ``return_token_ids``) the lengths come from the usage, which
+    counts one choice's tokens only when there is one choice.
     """
-    lps = choice.logprobs
-    if not lps:
-        return
-    own = choice.prompt_token_ids if choice.prompt_token_ids is not None else prompt
-    if choice.token_ids is not None and own is not None:
-        n_prompt, n_completion = len(own), len(choice.token_ids)
-    elif usage_prompt is not None and usage_completion is not None:
-        n_prompt, n_completion = usage_prompt, usage_completion
-    else:
-        return
-    if n_prompt > 0 and len(lps) == n_prompt + n_completion:
-        choice.logprobs = list(lps[n_prompt:])
+    if len(choices) != 1:
+        usage_prompt = usage_completion = None
+    for choice in choices:
+        lps = choice.logprobs
+        if not lps:
+            continue
+        own = choice.prompt_token_ids if choice.prompt_token_ids is not None else prompt
+        if choice.token_ids is not None and own is not None:
+            n_prompt, n_completion = len(own), len(choice.token_ids)
+        elif usage_prompt is not None and usage_completion is not None:
+            n_prompt, n_completion = usage_prompt, usage_completion
+        else:
+            continue
+        if n_prompt > 0 and len(lps) == n_prompt + n_completion:
+            choice.logprobs = list(lps[n_prompt:])
 
 
 def chat_tool_calls(msg: dict[str, Any]) -> list[dict[str, Any]] | None:
