@@ -1,5 +1,5 @@
 """Test doubles for the sandbox tests: a loopback upstream standing in for the proxy, a tiny task set,
-throwaway harness folders, and a scan for processes left running."""
+throwaway harness folders, a runner of rollouts against them, and a scan for processes left running."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self
+
+from clawpipe.sandbox import HarnessManifest, RolloutResult, RolloutSpec, run_rollouts
 
 
 class Upstream:
@@ -167,3 +169,21 @@ def procs_with(marker: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def run_harnesses(
+    harnesses: list[HarnessManifest], upstream: Upstream, tmp_path: Path, echo: EchoTaskSet, **kw: Any
+) -> list[RolloutResult]:
+    """One rollout of each loaded harness manifest on its own echo task, through ``run_rollouts`` against
+    ``upstream`` (results and scratch under ``tmp_path``); ``kw`` goes to ``run_rollouts`` (backend, ...)."""
+    tasks = echo.generate(len(harnesses))
+    specs = [RolloutSpec(run_id="r", iteration=0, harness=m, task=tasks[i], model="m") for i, m in enumerate(harnesses)]
+    return run_rollouts(
+        specs,
+        proxy_url=upstream.url,
+        results_path=tmp_path / "results.jsonl",
+        secret=b"k",
+        scratch_dir=tmp_path / "scratch",
+        task_sets={"echo": echo},
+        **kw,
+    )

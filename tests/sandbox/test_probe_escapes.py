@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
+from clawpipe.sandbox import load_manifest
 from clawpipe.sandbox.limits import SANDBOX_NOFILE
-from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
+from tests.sandbox.support import EchoTaskSet, Upstream, make_harness, run_harnesses
 
 BACKENDS = [pytest.param("bwrap", marks=pytest.mark.sandbox), pytest.param("docker", marks=pytest.mark.docker)]
 
@@ -75,16 +75,7 @@ with open(os.path.join(os.environ["CLAWPIPE_OUTPUT"], "reach.json"), "w") as f:
 
 def _run_one(backend: str, tmp_path: Path, upstream: Upstream, echo: EchoTaskSet, script: str) -> dict[str, Any]:
     m = load_manifest(make_harness(tmp_path, "reacher", script))
-    res = run_rollouts(
-        [RolloutSpec(run_id="r", iteration=0, harness=m, task=echo.generate(1)[0], model="m")],
-        proxy_url=upstream.url,
-        backend=backend,
-        results_path=tmp_path / "results.jsonl",
-        secret=b"k",
-        scratch_dir=tmp_path / "scratch",
-        task_sets={"echo": echo},
-        keep_workdirs=True,
-    )
+    res = run_harnesses([m], upstream, tmp_path, echo, backend=backend, keep_workdirs=True)
     assert res[0].status == "succeeded", (res[0].status, res[0].error, res[0].stderr_tail[-1000:])
     return json.loads((Path(res[0].workdir or "") / "out" / "reach.json").read_text())  # type: ignore[no-any-return]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
-from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
+from clawpipe.sandbox import load_manifest
+from tests.sandbox.support import EchoTaskSet, Upstream, make_harness, run_harnesses
 
 SLEEPER = "import time\ntime.sleep(60)\n"
 
@@ -50,21 +50,7 @@ def test_each_limit_a_harness_runs_into_is_named_with_its_setting(
         make_harness(tmp_path, "filler", TMP_FILLER, resources={"memory_mb": 64, "disk_mb": 32}),
         make_harness(tmp_path, "forker", FORKER, resources={"pids": 12}),
     ]
-    tasks = echo.generate(len(harnesses))
-    specs = [
-        RolloutSpec(run_id="lim", iteration=0, harness=load_manifest(h), task=tasks[i], model="m")
-        for i, h in enumerate(harnesses)
-    ]
-    res = run_rollouts(
-        specs,
-        proxy_url=upstream.url,
-        backend="bwrap",
-        concurrency=3,
-        results_path=tmp_path / "results.jsonl",
-        secret=b"k",
-        scratch_dir=tmp_path / "scratch",
-        task_sets={"echo": echo},
-    )
+    res = run_harnesses([load_manifest(h) for h in harnesses], upstream, tmp_path, echo, backend="bwrap", concurrency=3)
     by_name = {r.harness: r for r in res}
     timeout, oom, forks = by_name["sleeper"], by_name["filler"], by_name["forker"]
     assert timeout.status == "timeout" and timeout.error is not None, (timeout.status, timeout.error)
@@ -86,15 +72,7 @@ def test_without_a_memory_cgroup_the_error_names_the_address_space_limit(
     m = load_manifest(make_harness(tmp_path, "hog", hog, resources={"memory_mb": 128}))
     backend = BwrapBackend(cgroups=CgroupLayout(version=0))  # as where no cgroup is writable: rlimits only
     try:
-        res = run_rollouts(
-            [RolloutSpec(run_id="lim", iteration=0, harness=m, task=echo.generate(1)[0], model="m")],
-            proxy_url=upstream.url,
-            backend=backend,
-            results_path=tmp_path / "results.jsonl",
-            secret=b"k",
-            scratch_dir=tmp_path / "scratch",
-            task_sets={"echo": echo},
-        )
+        res = run_harnesses([m], upstream, tmp_path, echo, backend=backend)
     finally:
         backend.close()
     assert res[0].status == "oom" and res[0].error is not None, (res[0].status, res[0].error)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from clawpipe.sandbox import RolloutSpec, load_manifest, run_rollouts
+from clawpipe.sandbox import load_manifest
 from clawpipe.sandbox.workdir import scrub_workdir
-from tests.sandbox.support import EchoTaskSet, Upstream, make_harness
+from tests.sandbox.support import EchoTaskSet, Upstream, make_harness, run_harnesses
 
 LINKS = 5000
 DEPTH = 1500  # components of each link's target: 'x/' 1,500 times, then '..' out of the work dir
@@ -38,15 +38,7 @@ def test_links_through_a_link_thousands_of_times_are_scrubbed_in_moments(
 ) -> None:
     m = load_manifest(make_harness(tmp_path, "planter", PLANTER))
     t0 = time.monotonic()
-    res = run_rollouts(
-        [RolloutSpec(run_id="r", iteration=0, harness=m, task=echo.generate(1)[0], model="m")],
-        proxy_url=upstream.url,
-        backend="bwrap",
-        results_path=tmp_path / "results.jsonl",
-        secret=b"k",
-        scratch_dir=tmp_path / "scratch",
-        task_sets={"echo": echo},
-    )
+    res = run_harnesses([m], upstream, tmp_path, echo, backend="bwrap")
     took = time.monotonic() - t0
     assert res[0].status == "succeeded" and res[0].reward == 1.0, (res[0].status, res[0].error)
     info = json.loads(res[0].reward_info or "{}")
