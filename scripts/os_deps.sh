@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs the OS packages clawpipe needs when they are missing: bubblewrap (default sandbox),
-# docker.io (Docker backend, docker-marked tests) and procps (kill, for the sandbox uid sweep).
+# docker.io (Docker backend, docker-marked tests), procps (kill, for the sandbox uid sweep) and curl (the
+# proxy's tests drive it as a client).
 # As root it uses apt-get; otherwise it says what to run.
 set -u
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
 [ -x /usr/bin/kill ] || [ -x /bin/kill ] || missing+=(procps)  # the sandbox uid sweep's kill(-1) helper
+command -v curl >/dev/null 2>&1 || missing+=(curl)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "os-deps: installing ${missing[*]}" >&2
