@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 
 setup: os-deps $(STAMP) cli-harnesses
 
-# Reinstall only when the dependency list changes; editable install means code changes need nothing.
-$(STAMP): pyproject.toml
+# Reinstall only when the dependency list or the compiled reader changes (it is built by the install); editable
+# install means Python code changes need nothing.
+$(STAMP): pyproject.toml setup.py clawpipe/lake/_openai_scan.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

@@ -53,7 +53,9 @@ class ListColumn:
         try:
             if v.__class__ is list:
                 self.buf.fromlist(v)
-            else:  # a NumPy array (large bodies): checked whole, then copied in
+            elif v.__class__ is array.array and v.typecode == self.buf.typecode:
+                self.buf.extend(v)  # the compiled reader's (ids in int32 already): one copy
+            else:  # a NumPy array (large bodies), or another typed array: checked whole, then copied in
                 arr = np.asarray(v)
                 if self.ids and len(arr) and (arr.min() < -(2**31) or arr.max() > rows.INT32_MAX):
                     raise OverflowError
@@ -143,11 +145,11 @@ class TextColumn:
         self.name = name
         self.buf = buf if buf is not None else bytearray()
         self.end = 0  # bytes of ``buf`` in use
-        self.spill: list[bytes] = []  # bodies after those in ``buf`` (it was full)
+        self.spill: list[bytes | memoryview] = []  # bodies after those in ``buf`` (it was full)
         self.lengths: list[int] = []
         self.nulls: list[int] = []
 
-    def add(self, v: bytes | None) -> None:
+    def add(self, v: bytes | memoryview | None) -> None:
         if v is None:
             self.nulls.append(len(self.lengths))
             self.lengths.append(0)

@@ -70,7 +70,9 @@ class LandingReport:
 # -- the landing loop --------------------------------------------------------------------------------
 
 
-def _add_call(batch: Batch, header: capture.CaptureHeader, request: bytes, response: bytes, seg: str, off: int) -> int:
+def _add_call(
+    batch: Batch, header: capture.CaptureHeader, request: memoryview, response: memoryview, seg: str, off: int
+) -> int:
     """One record onto its partition's columns; returns the rows added (0 for a call this run met already)."""
     part = batch.partition(header.run_id, header.iteration)
     call_id = header.call_id

@@ -1,10 +1,13 @@
-"""The typed fast path for plain chat and completions bodies (the bulk of every lake), and the large-body
-prompt-id cut both paths use.
+"""The fast paths for plain chat and completions bodies (the bulk of every lake), and the large-body
+prompt-id cut the generic parser uses.
 
-msgspec decodes only the fields landing keeps and skips the rest (message text, logprob entries' text,
-bytes and top_logprobs) without building Python objects for them; anything it does not expect returns
-None and :mod:`clawpipe.lake.parse` decides. In a large body the prompt id array is read by NumPy and
-cut out before the JSON is decoded (:func:`cut_prompt_ids`).
+First the compiled reader (``clawpipe/lake/_openai_scan.c``, built by the install): one pass over the
+body, ids and logprobs straight into ``array.array`` buffers, no Python number per token. Where it is not
+built, or steps aside (any shape outside the plain one), msgspec decodes only the fields landing keeps and
+skips the rest (message text, logprob entries' text, bytes and top_logprobs) without building Python
+objects for them; in a large body the prompt id array is read by NumPy and cut out before the JSON is
+decoded (:func:`cut_prompt_ids`). Anything neither expects returns None and :mod:`clawpipe.lake.parse`
+decides. Both give the same columns (tests/lake/test_openai_scan.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,14 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import orjson
 
 from clawpipe.lake.parsed import Choice, ParsedCall, chat_tool_calls, drop_echoed_prompts
+
+try:
+    from clawpipe.lake import _openai_scan
+except ImportError:  # installed where no C compiler was: msgspec reads every body
+    _openai_scan = None  # type: ignore[assignment]
 
 CUT_MIN_BYTES = 32 << 10
 _PROMPT_KEY = b'"prompt_token_ids"'
@@ -107,8 +116,48 @@ class _OpenAIBody(msgspec.Struct, gc=False):
 _OPENAI_DECODER = msgspec.json.Decoder(_OpenAIBody)
 
 
-def parse_openai_fast(body: bytes, api: str) -> ParsedCall | None:
+def parse_openai_fast(body: bytes | memoryview, api: str) -> ParsedCall | None:
     """Columns of a plain chat/completions body, or None where the generic parser must decide."""
+    if _openai_scan is not None:
+        got = _openai_scan.scan(body)
+        if got is not None:
+            parsed = _from_scan(got, body, api)
+            if parsed is not None:
+                return parsed
+    return parse_openai_msgspec(bytes(body), api)
+
+
+def _from_scan(got: tuple[Any, ...], body: bytes | memoryview, api: str) -> ParsedCall | None:
+    """The compiled reader's answer as a :class:`ParsedCall` (None: tool calls that are not plain JSON)."""
+    prompt, version, spliced, model, prompt_tokens, completion_tokens, raw = got
+    parsed = ParsedCall(response=body, prompt_token_ids=prompt, policy_version=version, model=model, typed=True)
+    parsed.spliced_tokens, parsed.prompt_tokens, parsed.completion_tokens = spliced, prompt_tokens, completion_tokens
+    choices = []
+    for index, finish, tools_json, ids, own_prompt, lps in raw:
+        tools = None
+        if tools_json is not None and api == "chat":
+            try:
+                tools = orjson.loads(tools_json)  # a list of objects, checked by the reader
+            except orjson.JSONDecodeError:  # what orjson alone refuses (an integer past 64 bits)
+                return None
+        choices.append(
+            Choice(
+                index=index,
+                token_ids=ids,
+                prompt_token_ids=own_prompt,
+                logprobs=lps,
+                finish_reason=finish,
+                tool_calls=chat_tool_calls({"tool_calls": tools}) if tools else None,
+            )
+        )
+    if api == "completions":
+        drop_echoed_prompts(choices, prompt, prompt_tokens, completion_tokens)
+    parsed.choices = choices
+    return parsed
+
+
+def parse_openai_msgspec(body: bytes, api: str) -> ParsedCall | None:
+    """:func:`parse_openai_fast` by msgspec alone (where the compiled reader is not built, or steps aside)."""
     cut = cut_prompt_ids(body) if len(body) > CUT_MIN_BYTES else None
     try:
         r = _OPENAI_DECODER.decode(cut[0] if cut is not None else body)

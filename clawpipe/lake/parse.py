@@ -267,12 +267,18 @@ def _stream_error_text(last: dict[str, Any]) -> str:
 # entry point
 
 
-def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | None = None) -> ParsedCall:
-    """Columns of one call from its API, stream flag and raw response body."""
+def parse_response(api: str, stream: bool, body: bytes | memoryview, *, http_status: int | None = None) -> ParsedCall:
+    """Columns of one call from its API, stream flag and raw response body (landing hands over a view of the
+    capture frame: the fast path reads it in place, the others take a copy)."""
     parsed = ParsedCall()
     if not body:
         return parsed
     failed_http = http_status is not None and http_status >= 400
+    if not stream and not failed_http and api in ("chat", "completions"):
+        fast = parse_openai_fast(body, api)
+        if fast is not None:
+            return fast
+    body = bytes(body)
     from_stream = stream and not (failed_http and body[:1] == b"{")
     if from_stream:
         events, halves = _sse_events(body)
@@ -290,10 +296,6 @@ def parse_response(api: str, stream: bool, body: bytes, *, http_status: int | No
         parsed.response = orjson.dumps(obj)
         parsed.stream_error = _ends_in_error(api, events[-1])
     else:
-        if api in ("chat", "completions") and not failed_http:
-            fast = parse_openai_fast(body, api)
-            if fast is not None:
-                return fast
         try:
             cut = cut_prompt_ids(body) if len(body) > CUT_MIN_BYTES else None
             if cut is not None:

@@ -25,7 +25,7 @@ class Choice:
 
 @dataclass(slots=True)
 class ParsedCall:
-    response: bytes | None = None  # JSON as UTF-8 bytes (raw body, or the reassembled stream)
+    response: bytes | memoryview | None = None  # JSON as UTF-8 (raw body, or the reassembled stream)
     prompt_token_ids: list[int] | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None  # call total from usage

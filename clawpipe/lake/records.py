@@ -33,7 +33,9 @@ class CallValues(NamedTuple):
     stream_error: bool  # a 200 answer that is an error: now upstream_error
 
 
-def call_values(header: capture.CaptureHeader, request: bytes, response: bytes, seg: str, off: int) -> CallValues:
+def call_values(
+    header: capture.CaptureHeader, request: bytes | memoryview, response: bytes | memoryview, seg: str, off: int
+) -> CallValues:
     """The ``model_calls`` values of one record (see the module docstring)."""
     api = header.api or ""
     http_status = header.http_status

@@ -77,10 +77,11 @@ def read_frames(f: Any, start: int, *, sealed: bool) -> Iterator[Frame | Damage]
     return capture.scan_frames(capture.FileSource(f), start, final=sealed)
 
 
-def decode_payload(payload: bytes, where: str = "") -> tuple[capture.CaptureHeader, bytes, bytes]:
+def decode_payload(payload: bytes, where: str = "") -> tuple[capture.CaptureHeader, memoryview, memoryview]:
     """(header, request, response) of a frame payload; raises ValueError when it is not well formed.
 
-    ``where`` (the segment and the record's offset) is named in a header error.
+    The bodies are views of the payload, not copies (a large call's bodies are most of its bytes, and each
+    copy of them costs fresh pages); ``where`` (the segment and the record's offset) is named in a header error.
     """
     try:
         (hlen,) = _U32.unpack_from(payload, 0)
@@ -92,7 +93,8 @@ def decode_payload(payload: bytes, where: str = "") -> tuple[capture.CaptureHead
     pos += 4
     if pos + rlen > len(payload):
         raise ValueError("frame request length exceeds the payload")
-    return read_header(raw, where), payload[pos : pos + rlen], payload[pos + rlen :]
+    view = memoryview(payload)
+    return read_header(raw, where), view[pos : pos + rlen], view[pos + rlen :]
 
 
 def read_header(raw: bytes, where: str = "") -> capture.CaptureHeader:

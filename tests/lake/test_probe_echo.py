@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from clawpipe.lake import openai_fast
 from clawpipe.lake.parse import parse_response
 from clawpipe.trees import build_iteration
 from tests.apis import captures as cx
@@ -111,7 +112,12 @@ def test_an_echoed_call_s_completion_is_trained_with_its_sampling_logprobs(tmp_p
 
 @pytest.mark.parametrize("n_prompt", [4, 12_000], ids=["small", "large (prompt ids cut out before decoding)"])
 @pytest.mark.parametrize("first", [None, -9.0], ids=["null first", "a number first"])
-def test_both_parse_paths_drop_the_echoed_prompt_s_logprobs(n_prompt: int, first: float | None) -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled reader", "msgspec reader"])
+def test_every_parse_path_drops_the_echoed_prompt_s_logprobs(
+    n_prompt: int, first: float | None, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not compiled:
+        monkeypatch.setattr(openai_fast, "_openai_scan", None)
     prompt = list(range(100, 100 + n_prompt))
     lps = [first, *([-1.0] * (n_prompt - 1)), *SAMPLED_LPS]
     choice = {"index": 0, "text": "x", "logprobs": _logprobs(lps), "finish_reason": "stop"}
@@ -119,5 +125,5 @@ def test_both_parse_paths_drop_the_echoed_prompt_s_logprobs(n_prompt: int, first
     body = {"id": "c", "object": "text_completion", "model": "m", "choices": [choice]}
     parsed = parse_response("completions", False, json.dumps(body).encode())
     (c,) = parsed.choices
-    assert list(c.prompt_token_ids) == prompt and c.token_ids == IDS
+    assert list(c.prompt_token_ids) == prompt and list(c.token_ids or ()) == IDS
     assert list(c.logprobs or ()) == SAMPLED_LPS

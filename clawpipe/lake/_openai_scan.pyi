@@ -1,0 +1,3 @@
+from typing import Any
+
+def scan(body: bytes | memoryview, /) -> tuple[Any, ...] | None: ...
