@@ -22,6 +22,7 @@
 #define MAX_DEPTH 128
 #define INT32_TOP 2147483647LL
 #define ONES 0x0101010101010101ULL
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 _Static_assert(sizeof(int) == 4, "array.array('i') must hold 4-byte ids");
 
@@ -86,7 +87,7 @@ static inline int hexval(unsigned char c) {
 /* A string from its opening quote: *start and *stop span its raw content, *escaped tells whether it holds a
    backslash. 0 on success, -1 where it is not a well-formed JSON string of valid UTF-8 (or escapes a
    surrogate: left to the Python decoders). */
-static int string(Scan *s, const unsigned char **start, const unsigned char **stop, int *escaped) {
+static ALWAYS_INLINE int string(Scan *s, const unsigned char **start, const unsigned char **stop, int *escaped) {
     const unsigned char *p = s->p, *end = s->end;
     if (p >= end || *p != '"') return -1;
     p++;
@@ -163,7 +164,7 @@ static int string(Scan *s, const unsigned char **start, const unsigned char **st
 }
 
 /* A number: its span, and whether it is an integer (no fraction, no exponent). -1 if not JSON's grammar. */
-static int number(Scan *s, const unsigned char **start, int *integral) {
+static ALWAYS_INLINE int number(Scan *s, const unsigned char **start, int *integral) {
     const unsigned char *p = s->p, *end = s->end;
     *start = p;
     *integral = 1;
@@ -371,33 +372,68 @@ static const long double POW10[] = {1e0L,  1e1L,  1e2L,  1e3L,  1e4L,  1e5L,  1e
                                      1e20L, 1e21L, 1e22L, 1e23L, 1e24L, 1e25L, 1e26L, 1e27L};
 #define POW10_TOP 27 /* 5^27 < 2^64: exact */
 
-static int quick_double(const unsigned char *p, const unsigned char *end, double *out) {
-    int neg = *p == '-', digits = 0;
-    if (neg) p++;
+static const uint64_t P10U[] = {1ULL, 10ULL, 100ULL, 1000ULL, 10000ULL, 100000ULL, 1000000ULL, 10000000ULL,
+                                 100000000ULL, 1000000000ULL, 10000000000ULL, 100000000000ULL, 1000000000000ULL,
+                                 10000000000000ULL, 100000000000000ULL, 1000000000000000ULL, 10000000000000000ULL,
+                                 100000000000000000ULL, 1000000000000000000ULL, 10000000000000000000ULL};
+
+/* The digits at *pp onto *m (as more digits of one decimal), *n of them; -1 past 19 significant digits. */
+static inline int digit_run(const unsigned char **pp, const unsigned char *end, uint64_t *m, int *n) {
+    const unsigned char *p = *pp;
+    int total = 0;
+    while (p < end && (unsigned)(*p - '0') < 10) {
+        long long v = 0;
+        int k = 0;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        if (end - p >= 8) {
+            k = leading_digits(p, &v);
+        } else
+#endif
+        {
+            while (k < 8 && p + k < end && (unsigned)(p[k] - '0') < 10) v = v * 10 + (p[k++] - '0');
+        }
+        if (*m >= P10U[19 - k]) return -1;
+        *m = *m * P10U[k] + (uint64_t)v;
+        p += k;
+        total += k;
+        if (k < 8) break;
+    }
+    *pp = p;
+    *n = total;
+    return 0;
+}
+
+/* A number in JSON's grammar at s->p read by the quick path: 0 with *out set and the scanner past it, -1
+   (the scanner where it was) for the exact reader to decide. */
+static int quick_double(Scan *s, double *out) {
+    const unsigned char *p = s->p, *end = s->end;
+    int neg = 0, n;
+    if (p < end && *p == '-') {
+        neg = 1;
+        p++;
+    }
     uint64_t m = 0;
     long e = 0;
-    for (; p < end && *p >= '0' && *p <= '9'; p++) {
-        if (m || *p != '0') {
-            if (++digits > 19) return -1;
-            m = m * 10 + (*p - '0');
-        }
+    if (p < end && *p == '0') {
+        p++;
+    } else if (p < end && *p >= '1' && *p <= '9') {
+        if (digit_run(&p, end, &m, &n) < 0) return -1;
+    } else {
+        return -1;
     }
     if (p < end && *p == '.') {
-        for (p++; p < end && *p >= '0' && *p <= '9'; p++) {
-            if (m || *p != '0') {
-                if (++digits > 19) return -1;
-                m = m * 10 + (*p - '0');
-            }
-            e--;
-        }
+        p++;
+        if (digit_run(&p, end, &m, &n) < 0 || n == 0) return -1;
+        e -= n;
     }
     if (p < end && (*p == 'e' || *p == 'E')) {
         p++;
-        int eneg = *p == '-';
-        if (*p == '+' || *p == '-') p++;
+        int eneg = 0;
+        if (p < end && (*p == '+' || *p == '-')) eneg = *p++ == '-';
+        if (p >= end || (unsigned)(*p - '0') >= 10) return -1;
         long x = 0;
-        for (; p < end && *p >= '0' && *p <= '9'; p++) {
-            if (x > 1000) return -1;
+        for (; p < end && (unsigned)(*p - '0') < 10; p++) {
+            if (x > 100000) return -1;
             x = x * 10 + (*p - '0');
         }
         e += eneg ? -x : x;
@@ -421,19 +457,20 @@ static int quick_double(const unsigned char *p, const unsigned char *end, double
     }
 #endif
     *out = neg ? -d : d;
+    s->p = p;
     return 0;
 }
 #else
-static int quick_double(const unsigned char *p, const unsigned char *end, double *out) { return -1; }
+static int quick_double(Scan *s, double *out) { return -1; }
 #endif
 
 /* A JSON number as a finite double, correctly rounded, whatever the locale. */
 static int finite_double(Scan *s, double *out) {
     ws(s);
+    if (quick_double(s, out) == 0) return 0;
     const unsigned char *a;
     int integral;
     if (number(s, &a, &integral) < 0) return -1;
-    if (quick_double(a, s->p, out) == 0 && isfinite(*out)) return 0;
     if (s->p >= s->end) return -1; /* a number that ends the body (cut short): and the exact reader reads on to a
                                       non-digit, which a view of a larger buffer may not end with */
     char *stop;
@@ -449,7 +486,7 @@ static int finite_double(Scan *s, double *out) {
 
 /* Every key of an object in turn: 1 with *key and *n set and the scanner at its value, 0 at the end, -1 on
    bad input (a key with escapes among it). Call with first=1 at the opening brace. */
-static int next_key(Scan *s, int *first, const unsigned char **key, Py_ssize_t *n) {
+static ALWAYS_INLINE int next_key(Scan *s, int *first, const unsigned char **key, Py_ssize_t *n) {
     if (*first) {
         *first = 0;
         if (!eat(s, '{')) return -1;

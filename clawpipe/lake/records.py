@@ -118,6 +118,9 @@ def _choice_indexes(parsed: ParsedCall, n_rows: int) -> list[int]:
     its place in the trees), so where the server repeats an index (a gateway that makes n calls of one
     choice each answers index 0 n times), every row takes its place in the list instead: two rows with one
     index would each be joined to the other's path and trained with the other's logprobs."""
+    if n_rows == 1:  # most calls: nothing to repeat
+        index = rows.int_value(parsed.choices[0].index, "choice index") if parsed.choices else None
+        return [0 if index is None else index]
     given = [
         rows.int_value(parsed.choices[i].index, "choice index") if i < len(parsed.choices) else None
         for i in range(n_rows)
@@ -146,6 +149,8 @@ def _token_lists(
         choice_ids = [rchoices[i].token_ids if i < len(rchoices) else None for i in range(n)]
         choice_lps = [None] * n
         typed = True  # the header's struct checked them (list[int])
+    if typed:  # a typed reader checked the element types already
+        return prompt, choice_ids, choice_lps
     prompt = rows.id_list(prompt, "prompt_token_ids", typed)
     choice_ids = [rows.id_list(x, "completion_token_ids", typed) for x in choice_ids]
     choice_lps = [rows.logprob_list(x, "completion_logprobs", typed) for x in choice_lps]
