@@ -9,8 +9,9 @@
 
    It answers None for anything outside the plain shape (an error body, a value of another type, a key
    spelled with escapes, a key twice, an id outside [0, 2^31-1], a number a double cannot hold, a \u escape
-   of a lone surrogate, a kept string with escapes, deep nesting, invalid JSON): the Python decoders then decide, so this reader only ever
-   agrees with them or steps aside (tests/lake/test_openai_scan.py holds it to that). */
+   of a lone surrogate, a kept string with escapes, deep nesting, invalid JSON): the Python decoders then
+   decide, so this reader only ever agrees with them or steps aside (tests/lake/test_openai_scan.py holds
+   it to that). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -85,7 +86,7 @@ static inline int hexval(unsigned char c) {
 }
 
 /* A string from its opening quote: *start and *stop span its raw content, *escaped tells whether it holds a
-   backslash. 0 on success, -1 where it is not a well-formed JSON string of valid UTF-8 (or escapes a
+   backslash. 0 on success, -1 where it is not a well-formed JSON string of valid UTF-8 (or escapes a lone
    surrogate: left to the Python decoders). */
 static ALWAYS_INLINE int string(Scan *s, const unsigned char **start, const unsigned char **stop, int *escaped) {
     const unsigned char *p = s->p, *end = s->end;

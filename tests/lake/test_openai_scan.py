@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import json
 import math
+import os
 import random
 import re
 import struct
@@ -287,3 +288,49 @@ def test_a_landing_writes_the_same_lake_with_and_without_it(tmp_path: Path, monk
     assert a.equals(b)
     # and it lands what the generic parser would: a body the compiled reader took is fine to msgspec too
     assert parse_openai_fast(_production_bodies(1, "small", 12)[0], "chat") is not None
+
+
+_SANITIZED_RUN = """
+import random, sys
+sys.path.insert(0, sys.argv[1])
+import _openai_scan as sanitized
+import tests.lake.test_openai_scan as t
+from clawpipe.lake import openai_fast
+openai_fast._openai_scan = sanitized
+t.scan = sanitized.scan
+t.test_agrees_on_edge_shapes_of_the_plain_body()
+t.test_broken_bodies_are_left_to_msgspec_or_read_alike()
+t.test_views_are_read_in_place_and_never_past_their_end()
+for body in t._production_bodies(20, "small", 1) + t._production_bodies(2, "large", 2):
+    for k in range(0, len(body), 11):  # every cut as a buffer of its own size, as a view, as a bytearray
+        sanitized.scan(body[:k]); sanitized.scan(memoryview(body)[:k]); sanitized.scan(bytearray(body[:k]))
+print("clean")
+"""
+
+
+def test_the_reader_reads_no_byte_outside_its_buffers(tmp_path: Path) -> None:
+    """The same bodies (broken ones among them) through a build with AddressSanitizer and UBSan: an
+    out-of-bounds read, a use after free or undefined behaviour fails the run."""
+    import subprocess
+    import sysconfig
+
+    src = Path(openai_fast.__file__).with_name("_openai_scan.c")
+    so = tmp_path / ("_openai_scan" + sysconfig.get_config_var("EXT_SUFFIX"))
+    flags = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-shared", "-fPIC"]
+    subprocess.run(["cc", *flags, f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(so)], check=True)
+    runtimes = [
+        subprocess.run(["cc", f"-print-file-name={lib}"], capture_output=True, text=True, check=True).stdout.strip()
+        for lib in ("libasan.so", "libubsan.so")
+    ]
+    assert all(Path(r).is_file() for r in runtimes), f"the sanitizer runtimes are missing: {runtimes}"
+    env = {
+        **os.environ,
+        "LD_PRELOAD": " ".join(runtimes),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
+        "PYTHONMALLOC": "malloc",  # Python's buffers from malloc, so that the sanitizer sees their bounds
+    }
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-c", _SANITIZED_RUN, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("clean"), run.stderr[-3000:]
