@@ -15,15 +15,11 @@ Memory stays flat: frames stream one at a time and rows are flushed as Parquet r
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import gc
 import logging
 import os
-import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,48 +123,12 @@ def land(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # millions of short-lived acyclic objects: the cyclic collector only costs time here
     try:
-        with _buffers_from_the_heap():
-            return _land(
-                captures_dir, lake_root, batch_bytes=batch_bytes, row_group_bytes=row_group_bytes, progress=progress
-            )
+        return _land(
+            captures_dir, lake_root, batch_bytes=batch_bytes, row_group_bytes=row_group_bytes, progress=progress
+        )
     finally:
         if gc_was_enabled:
             gc.enable()
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-_GLIBC_DEFAULT = 128 << 10
-
-
-@contextlib.contextmanager
-def _buffers_from_the_heap() -> Iterator[None]:
-    """For a landing, glibc serves large blocks (a large call's frame, row groups' buffers) from its heap and
-    keeps what is freed there, instead of mapping fresh pages for each and unmapping them after: each of
-    those pages cost a fault and a zeroing, ~10% of a large call's landing (bench/README.md). Afterwards
-    the thresholds are glibc's defaults again and the free heap is handed back. Elsewhere than glibc: as is."""
-    libc = _glibc()
-    if libc is None:
-        yield
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20)
-    libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
-    try:
-        yield
-    finally:
-        libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT)
-        libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT)
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc() -> Any:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        libc = ctypes.CDLL(None)
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
 
 
 class _Lander:
