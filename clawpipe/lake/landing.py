@@ -214,11 +214,13 @@ class _Lander:
         report.bytes += pos - landed
         report.segments += pos > landed
 
-    def land_results(self, key: str, path: Path) -> None:
+    def land_results(self, key: str, path: Path, size: int) -> None:
+        """Land the rows of results file ``path`` past what the manifest says is landed (``size``: its bytes
+        when listed; a file no longer than that is skipped without opening it)."""
         start = self.state.results.get(key, 0)
+        if size <= start:
+            return
         try:
-            if path.stat().st_size <= start:
-                return
             lines, end = sources.read_result_lines(path, start)
         except FileNotFoundError:
             return
@@ -274,8 +276,8 @@ def _land(
             mark_format(lake)  # so a later clawpipe that changes the format knows this one's lakes
             for seg in sources.list_segments(captures):
                 lander.land_segment(seg)
-            for key, path in sources.list_results(captures):
-                lander.land_results(key, path)
+            for res in sources.list_results(captures):
+                lander.land_results(*res)
             lander.commit()
         except (OSError, MemoryError) as exc:
             message = _stopped(lake, lander.report, exc)  # the space as it was when the write failed

@@ -7,11 +7,12 @@ landing stopped, so memory stays flat however large a segment grows.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 import orjson
@@ -171,14 +172,38 @@ def _id(value: Any, what: str, max_length: int | None = None) -> str:
     return value
 
 
-def list_results(captures_dir: Path) -> list[tuple[str, Path]]:
-    """(key, path) of every results-*.jsonl under ``<captures>/results``, oldest first."""
-    root = captures_dir / "results"
-    if not root.is_dir():
-        return []
-    files = [p for p in root.rglob("*.jsonl") if p.is_file()]
-    files.sort(key=lambda p: (p.stat().st_mtime_ns, str(p)))
-    return [(str(p.relative_to(captures_dir)), p) for p in files]
+class ResultsFile(NamedTuple):
+    key: str  # its path under the captures dir, with "/"
+    path: Path
+    size: int  # bytes when listed
+
+
+def list_results(captures_dir: Path) -> list[ResultsFile]:
+    """Every results-*.jsonl under ``<captures>/results`` (symlinked folders not followed), oldest first.
+
+    A landing run lists every results file of the run, landed or not, so the listing costs one ``stat`` per
+    file and no more (``os.scandir``): each later run of a long run meets more of them."""
+    found: list[tuple[int, str, str, int]] = []  # (mtime_ns, full path, key, size)
+    stack = [(str(captures_dir / "results"), "results")]
+    while stack:
+        folder, rel = stack.pop()
+        try:
+            entries = os.scandir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append((e.path, f"{rel}/{e.name}"))
+                elif e.name.endswith(".jsonl"):
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:  # removed (or a dangling link) since the folder was read
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((st.st_mtime_ns, e.path, f"{rel}/{e.name}", st.st_size))
+    found.sort()
+    return [ResultsFile(key, Path(path), size) for _, path, key, size in found]
 
 
 def read_result_lines(path: Path, start: int) -> tuple[list[tuple[int, dict[str, Any] | None, str | None]], int]:

@@ -7,8 +7,10 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from clawpipe import capture
-from clawpipe.lake import land, run_audits, run_sql
+from clawpipe.lake import land, run_audits, run_sql, sources
 from tests.lake import fixtures as fx
 
 
@@ -111,6 +113,35 @@ def test_bad_result_lines_are_rejected(tmp_path: Path) -> None:
         f.write(b'", "run_id": "run1", "iteration": 0, "status": "failed"}\n')
     assert land(cap, lake).rollouts == 1
     assert _count(lake, "select count(*) from rollouts") == 2
+
+
+def test_results_files_are_listed_oldest_first_with_their_size_and_no_symlinked_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cap, lake = tmp_path / "cap", tmp_path / "lake"
+    newer = fx.write_results(cap, [fx.rollout_row("r1")], batch="b1")
+    older = fx.write_results(cap, [fx.rollout_row("r0"), fx.rollout_row("r2")], batch="b0")
+    os.utime(older, ns=(1_000_000_000, 1_000_000_000))
+    outside = tmp_path / "elsewhere"
+    fx.write_results(outside, [fx.rollout_row("r9")], batch="b9")
+    (cap / "results" / "linked").symlink_to(outside / "results", target_is_directory=True)
+    (cap / "results" / "notes.txt").write_text("not a results file")
+    os.mkfifo(cap / "results" / "pipe.jsonl")  # not a regular file: never opened
+    listed = sources.list_results(cap)
+    assert [(r.key, r.path, r.size) for r in listed] == [
+        (str(older.relative_to(cap)), older, older.stat().st_size),
+        (str(newer.relative_to(cap)), newer, newer.stat().st_size),
+    ]
+    assert land(cap, lake).rollouts == 3
+    # a landed file no longer than the manifest's offset is skipped unopened
+    read = []
+    real_read = sources.read_result_lines
+    monkeypatch.setattr(sources, "read_result_lines", lambda path, start: read.append(path) or real_read(path, start))
+    assert land(cap, lake).rollouts == 0 and read == []
+    with open(newer, "ab") as f:
+        f.write(json.dumps(fx.rollout_row("r3")).encode() + b"\n")
+    assert land(cap, lake).rollouts == 1 and read == [newer]
+    assert _count(lake, "select count(*) from rollouts") == 4
 
 
 def test_latest_rollout_attempt_wins(tmp_path: Path) -> None:
