@@ -7,6 +7,11 @@ class ClawpipeError(Exception):
     """Base of every error clawpipe raises on purpose."""
 
 
+class Halted(BaseException):
+    """Work in a worker thread stopped because its run is stopping (cancelled or killed): like the signal
+    that stops the main thread, not a failure of the work, and nothing to retry; ``--resume`` goes on."""
+
+
 class ConfigError(ClawpipeError, ValueError):
     """A setting, config file or manifest is invalid; the message names the field and what is allowed."""
 

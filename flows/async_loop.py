@@ -47,9 +47,14 @@ def run_async(cfg: PipelineConfig, state: Any, services: dict[str, str], memory:
     """Run the producer and the trainer until the trainer has trained every iteration (blocking)."""
     shared = ov.Overlap(cfg=cfg, state=state)
     _RUNS[state.run_id] = (shared, memory)
+    ov.register_halt(state.run_id, shared.halted)
     try:
         asyncio.run(_both(cfg, state.run_id, state.next_iteration, services))
+    except BaseException:
+        shared.halt()  # (set already when the loop's tasks were cancelled; see _both)
+        raise
     finally:
+        ov.register_halt(state.run_id, None)
         _RUNS.pop(state.run_id, None)
 
 
@@ -59,8 +64,14 @@ async def _both(cfg: PipelineConfig, run_id: str, start: int, services: dict[str
     async def side(name: str, coro: Any) -> None:
         try:
             await coro
-        except BaseException as exc:
+        except Exception as exc:
             shared.stop = shared.stop or f"{name} failed: {exc}"  # the other side stops at its next wait
+            raise
+        except BaseException:
+            # the loop is torn down (a cancel or kill of the run: its tasks are cancelled) or a signal
+            # reached this side: the work both sides left in worker threads stops too, before asyncio.run
+            # waits for those threads
+            shared.halt()
             raise
 
     results = await asyncio.gather(
@@ -215,6 +226,7 @@ def train_step(
     logger = get_run_logger()
     settings = get_settings()
     shared = _RUNS[run_id][0]
+    shared.check()  # a step started while the run stops: nothing to do
     started = time.monotonic()
     policy_dir, version, mlflow_run_id = position["policy_dir"], position["policy_version"], position["mlflow_run_id"]
     stale = ov.staleness(ov.call_ages(settings, run_id, iteration, version), cfg.max_staleness)

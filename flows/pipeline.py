@@ -35,7 +35,7 @@ from prefect.runtime import flow_run, task_run  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from prefect.states import Cancelled  # noqa: E402
 
-from clawpipe.pipeline import fanout, report, stages  # noqa: E402
+from clawpipe.pipeline import fanout, overlap, report, stages  # noqa: E402
 from clawpipe.pipeline.config import PipelineConfig  # noqa: E402
 from clawpipe.pipeline.faults import inject_fault  # noqa: E402
 from clawpipe.pipeline.monitor import PeakMemory  # noqa: E402
@@ -77,6 +77,7 @@ def rollout_batch(
             batch_id=f"{kind}-{iteration}",
             progress=on_result,
             final_attempt=task_run.run_count > ROLLOUT_RETRIES,
+            halt=overlap.halt_event(run_id),  # async mode: the batch runs in a worker thread
         )
     get_run_logger().info("it %d %s: reward %.3f, statuses %s", iteration, kind, done["reward_mean"], done["statuses"])
     return done
@@ -239,6 +240,7 @@ def _drive(cfg: PipelineConfig, state: Any, settings: Any, logger: Any) -> dict[
             raise
         message = f"cancelled; continue it with `clawpipe run --resume {state.run_id}`"
         logger.info("run %s %s", state.run_id, message)
+        watch.settle(f"run {state.run_id} {message}")
         return Cancelled(message=f"run {state.run_id} {message}")
     except BaseException:
         stages.end_tracking(cfg, state, "FAILED")

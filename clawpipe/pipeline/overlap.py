@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clawpipe.config import Settings
-from clawpipe.errors import ClawpipeError
+from clawpipe.errors import ClawpipeError, Halted
 from clawpipe.pipeline.config import PipelineConfig
 from clawpipe.pipeline.state import RunState
 
@@ -44,8 +44,10 @@ class Overlap:
     ``state`` is the run state, advanced in order once a step is reported (resume starts from it);
     ``trained``, ``policy_version`` and ``policy_dir`` move as soon as a step has published, so neither the
     producer nor the next step waits for evaluation. ``stop`` is set when either side fails, so the other
-    stops at its next wait instead of waiting forever. ``spans`` holds (side, stage, iteration, start, end)
-    in seconds since the loop started.
+    stops at its next wait instead of waiting forever. ``halted`` is set when the run itself stops (a
+    cancel or a kill tears the event loop down): the work the two sides left in worker threads (a rollout
+    batch, a training step, an evaluation) stops at its next check, raising :class:`Halted`. ``spans``
+    holds (side, stage, iteration, start, end) in seconds since the loop started.
     """
 
     cfg: PipelineConfig
@@ -53,6 +55,7 @@ class Overlap:
     landed: set[int] = field(default_factory=set)  # batches the producer landed in this process
     producer_wait_s: dict[int, float] = field(default_factory=dict)
     stop: str | None = None
+    halted: threading.Event = field(default_factory=threading.Event)
     trained: int = -1  # steps whose policy is published (the step's evaluation may still be running)
     policy_version: int = -1  # the policy published last: what new batches are rolled out against
     policy_dir: str = ""  # ... and its checkpoint, what the next step trains from
@@ -110,9 +113,33 @@ class Overlap:
     def may_start(self, batch: int) -> bool:
         return batch - self.trained <= lookahead(self.cfg)
 
+    def halt(self) -> None:
+        """The run is stopping: no step publishes, no rollout starts (see ``halted``)."""
+        self.stop = self.stop or "the run is stopping"
+        self.halted.set()
+        with self._evaluations_changed:
+            self._evaluations_changed.notify_all()  # a step waiting to publish looks again at once
+
     def check(self) -> None:
+        if self.halted.is_set():
+            raise Halted("async loop stopped: the run is stopping")
         if self.stop:
             raise ClawpipeError(f"async loop stopped: {self.stop}")
+
+
+_HALTS: dict[str, threading.Event] = {}  # run_id -> its async loop's ``halted``, while the loop runs
+
+
+def halt_event(run_id: str) -> threading.Event | None:
+    """The halt event of run ``run_id``'s async loop in this process (None: no async loop runs it here)."""
+    return _HALTS.get(run_id)
+
+
+def register_halt(run_id: str, event: threading.Event | None) -> None:
+    if event is None:
+        _HALTS.pop(run_id, None)
+    else:
+        _HALTS[run_id] = event
 
 
 def landed_batch(settings: Settings, cfg: PipelineConfig, run_id: str, iteration: int) -> list[dict[str, Any]] | None:

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -259,8 +260,10 @@ def run_rollouts(
     batch_id: str,
     progress: Callable[[Any, int, int], None] | None = None,
     final_attempt: bool = True,
+    halt: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Run the specs in sandboxes through the proxy; return counts and rewards per harness.
+    """Run the specs in sandboxes through the proxy; return counts and rewards per harness. ``halt``: see
+    :func:`clawpipe.sandbox.runner.run_rollouts` (set when an async run stops).
 
     Retries live in one place, the caller's (the flow's task retries): the runner tries each rollout once,
     and when some hit infra errors (a sandbox that would not start, a proxy path that was down) this raises
@@ -295,7 +298,7 @@ def run_rollouts(
     kept = list(kept_rows.values())
     if kept:
         log.info("batch %s attempt %d: %d rollouts already done, %d to run", batch_id, attempt, len(kept), len(todo))
-    options: dict[str, Any] = {"batch_id": batch_id}
+    options: dict[str, Any] = {"batch_id": batch_id, "halt": halt}
     if cfg.rollout_timeout_s:
         options["timeout_s"] = cfg.rollout_timeout_s
     results = run(

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from clawpipe.capture import append_result
-from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.errors import ConfigError, Halted, SandboxError
 from clawpipe.keys import mint_key
 from clawpipe.sandbox.backends import get_backend
 from clawpipe.sandbox.backends.base import Backend, Outcome, SandboxJob, takes_own_uids
@@ -233,6 +233,7 @@ def iter_rollouts(
     bridge_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     uid_pool: UidPool | None = None,
     verify_timeout_s: float | None = None,
+    halt: threading.Event | None = None,
 ) -> Iterator[RolloutResult]:
     """Run rollouts and yield each result as it finishes (order of completion). See :func:`run_rollouts`."""
     spec_list = list(specs)
@@ -287,18 +288,27 @@ def iter_rollouts(
                 ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rollout") as pool,
             ):
                 pending: set[Future[RolloutResult]] = set()
-                todo = iter(range(len(spec_list)))
+                submitted = 0
                 try:
-                    for i in todo:  # keep at most 2x concurrency futures alive: memory stays flat
+                    for i in range(len(spec_list)):  # keep at most 2x concurrency futures alive: memory stays flat
+                        if halt is not None and halt.is_set():
+                            break
                         pending.add(pool.submit(state.run_one, spec_list[i], manifests[i]))
+                        submitted += 1
                         if len(pending) >= 2 * concurrency:
-                            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                            done, pending = _wait_one(pending, halt)
                             for f in done:
                                 yield f.result()
-                    while pending:
-                        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    while pending and not (halt is not None and halt.is_set()):
+                        done, pending = _wait_one(pending, halt)
                         for f in done:
                             yield f.result()
+                    if halt is not None and halt.is_set():
+                        not_started = len(spec_list) - submitted + sum(f.cancel() for f in pending)
+                        raise Halted(
+                            f"batch {batch}: the run is stopping; the rollouts under way finish (their results "
+                            f"are written), {not_started} not started"
+                        )
                 finally:
                     for f in pending:
                         f.cancel()
@@ -306,6 +316,19 @@ def iter_rollouts(
         if owned_backend:
             with contextlib.suppress(Exception):
                 be.close()
+
+
+HALT_POLL_S = 0.5  # how often a batch waiting on its rollouts looks at its halt event
+
+
+def _wait_one(
+    pending: set[Future[RolloutResult]], halt: threading.Event | None
+) -> tuple[set[Future[RolloutResult]], set[Future[RolloutResult]]]:
+    """(done, still pending) once a rollout is done, or once ``halt`` is set (done may then be empty)."""
+    while True:
+        done, rest = wait(pending, timeout=None if halt is None else HALT_POLL_S, return_when=FIRST_COMPLETED)
+        if done or (halt is not None and halt.is_set()):
+            return done, rest
 
 
 def run_rollouts(
@@ -329,8 +352,11 @@ def run_rollouts(
     still scored; lowered to fit the runner's descriptor limit), bridge_idle_timeout_s and uid_pool (the
     host uids sandboxes run as, one each; default the range CLAWPIPE_SANDBOX_UID_BASE/_COUNT describe) and
     verify_timeout_s (seconds a task set's verifier may run on the host per rollout, default
-    CLAWPIPE_VERIFY_TIMEOUT_S; past it that rollout is an infra error naming the limit, the batch goes on).
-    Raises ManifestError/ConfigError before anything runs if a manifest, task or id is invalid.
+    CLAWPIPE_VERIFY_TIMEOUT_S; past it that rollout is an infra error naming the limit, the batch goes on)
+    and halt (a ``threading.Event``: once set, no further rollout starts, those under way finish and write
+    their results, and :class:`~clawpipe.errors.Halted` is raised; how a run stopping reaches a batch that
+    runs in a worker thread). Raises ManifestError/ConfigError before anything runs if a manifest, task or
+    id is invalid.
     """
     spec_list = list(specs)
     order = {(s.run_id, s.iteration, s.id): i for i, s in enumerate(spec_list)}

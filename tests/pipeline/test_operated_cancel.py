@@ -26,10 +26,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 3
-CONFIG = f"""
+CONFIG = """
 run_name = "cancelled"
 experiment = "operated"
-iterations = {ITERATIONS}
+mode = "{mode}"
+iterations = {iterations}
 groups = 2
 samples = 4
 concurrency = 2
@@ -103,8 +104,16 @@ def _completed(home: Path) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(tmp_path: Path) -> None:
-    # before: nothing acted on the Cancelling state; the run went on to its end (Completed over the cancel)
+@pytest.mark.parametrize(
+    ("mode", "target"), [("sync", "pipeline"), ("async", "pipeline"), ("sync", "iteration"), ("async", "trainer")]
+)
+def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(
+    tmp_path: Path, mode: str, target: str
+) -> None:
+    # before: nothing acted on the Cancelling state; the run went on to its end (Completed over the cancel).
+    # In async mode the producer's rollouts and the trainer's step run in worker threads of one event loop.
+    # ``target``: the flow run cancelled, the run's own or one of the subflows the UI shows beside it (before,
+    # a cancelled subflow stayed Cancelling while the run went on)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = server_env(tmp_path, api)
@@ -114,7 +123,7 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(tm
     try:
         wait_until_healthy(api, server, tmp_path / "server.log")
         cfg = tmp_path / "p.toml"
-        cfg.write_text(CONFIG)
+        cfg.write_text(CONFIG.format(mode=mode, iterations=ITERATIONS))
         cli = [sys.executable, "-m", "clawpipe", "run"]
         run = spawn([*cli, "--config", str(cfg)], env, tmp_path / "run.log")
         # cancel while a later iteration's sandboxes run: one iteration done, bwrap among the run's processes
@@ -128,8 +137,9 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(tm
         else:
             raise AssertionError("no iteration with running sandboxes: " + (tmp_path / "run.log").read_text()[-3000:])
         (flow_run,) = _flow_runs(api, "pipeline")
+        (cancelled,) = [r for r in _flow_runs(api, target) if r["state_type"] == "RUNNING"]
         cancel = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
-        r = httpx.post(f"{api}/flow_runs/{flow_run['id']}/set_state", json=cancel, timeout=10)
+        r = httpx.post(f"{api}/flow_runs/{cancelled['id']}/set_state", json=cancel, timeout=10)
         assert r.status_code in (200, 201), r.text
         assert run.wait(timeout=120) == 1
         log = (tmp_path / "run.log").read_text()
@@ -142,8 +152,9 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(tm
         while (left := _left_running(procs, home, run.pid)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, left
-        state = httpx.get(f"{api}/flow_runs/{flow_run['id']}", timeout=10).json()["state"]
-        assert state["type"] == "CANCELLED", state
+        for cut in (flow_run, cancelled):  # the run, and the subflow cancelled: Cancelled, not Crashed
+            state = httpx.get(f"{api}/flow_runs/{cut['id']}", timeout=10).json()["state"]
+            assert state["type"] == "CANCELLED", (cut["name"], state)
         cut_at = _completed(home)
         assert 1 <= cut_at < ITERATIONS
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from clawpipe.capture import read_results
-from clawpipe.errors import ManifestError, SandboxError
+from clawpipe.errors import Halted, ManifestError, SandboxError
 from clawpipe.keys import verify_key
 from clawpipe.net import free_port
 from clawpipe.sandbox import RolloutSpec, iter_rollouts, load_manifest, masked_groups, run_rollouts
@@ -129,6 +130,32 @@ def test_rows_are_on_disk_as_each_rollout_finishes(tmp_path: Path, upstream: Ups
     rows = [row for _, row, _ in read_results(tmp_path / "r.jsonl")]
     assert [r["rollout_id"] for r in rows] == [first.rollout_id]
     it.close()  # the batch "dies": what finished is kept
+
+
+def test_a_halted_batch_starts_no_more_rollouts_and_lets_those_under_way_finish(
+    tmp_path: Path, upstream: Upstream, echo: EchoTaskSet
+) -> None:
+    # how a stopping run reaches a batch in a worker thread (async mode): before, the batch ran to its end
+    m = load_manifest(make_harness(tmp_path, "slow", "import time\ntime.sleep(1.5)\n"))
+    halt = threading.Event()
+    seen: list[str] = []
+
+    def progress(result: Any, done: int, total: int) -> None:
+        seen.append(result.rollout_id)
+        halt.set()  # the run stops while the second rollout runs
+
+    t0 = time.monotonic()
+    with pytest.raises(Halted, match=r"the run is stopping; the rollouts under way finish") as stopped:
+        run(specs_for(m, echo, 8), upstream, tmp_path, echo, concurrency=1, halt=halt, progress=progress)
+    rows = [row for _, row, _ in read_results(tmp_path / "results.jsonl")]
+    # the first one had ended; the next was under way (unless the halt came before a worker took it) and
+    # finished, its row written; none started after
+    assert len(rows) in (1, 2) and {r["status"] for r in rows} == {"succeeded"}
+    assert f", {8 - len(rows)} not started" in str(stopped.value)
+    assert seen[0] == rows[0]["rollout_id"]
+    assert time.monotonic() - t0 < 8 * 1.5 / 2  # not the whole batch's time
+    # unhalted, the same call runs every rollout (the event is only looked at)
+    assert len(run(specs_for(m, echo, 3), upstream, tmp_path / "again", echo, halt=threading.Event())) == 3
 
 
 def test_bad_spec_fails_before_anything_runs(tmp_path: Path, upstream: Upstream, echo: EchoTaskSet) -> None:
