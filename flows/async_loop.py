@@ -40,26 +40,20 @@ from flows.pipeline import (
 )
 
 POLL_S = 0.5
-_RUNS: dict[str, tuple[ov.Overlap, PeakMemory]] = {}  # run_id -> what its two flows share in this process
 
 
 def run_async(cfg: PipelineConfig, state: Any, services: dict[str, str], memory: PeakMemory) -> None:
     """Run the producer and the trainer until the trainer has trained every iteration (blocking)."""
     shared = ov.Overlap(cfg=cfg, state=state)
-    _RUNS[state.run_id] = (shared, memory)
-    ov.register_halt(state.run_id, shared.halted)
+    ov.RUNNING[state.run_id] = (shared, memory)
     try:
         asyncio.run(_both(cfg, state.run_id, state.next_iteration, services))
-    except BaseException:
-        shared.halt()  # (set already when the loop's tasks were cancelled; see _both)
-        raise
     finally:
-        ov.register_halt(state.run_id, None)
-        _RUNS.pop(state.run_id, None)
+        ov.RUNNING.pop(state.run_id, None)
 
 
 async def _both(cfg: PipelineConfig, run_id: str, start: int, services: dict[str, str]) -> None:
-    shared, _ = _RUNS[run_id]
+    shared, _ = ov.RUNNING[run_id]
 
     async def side(name: str, coro: Any) -> None:
         try:
@@ -97,7 +91,7 @@ def _name(kind: str) -> Any:
 async def rollout_producer(cfg: PipelineConfig, run_id: str, start: int, services: dict[str, str]) -> int:
     """Roll out and land batches ``start`` .. iterations-1, each against the policy published when it starts."""
     logger = get_run_logger()
-    shared, _ = _RUNS[run_id]
+    shared, _ = ov.RUNNING[run_id]
     for batch in range(start, cfg.iterations):
         t0 = time.monotonic()
         while not shared.may_start(batch):
@@ -127,7 +121,7 @@ async def trainer(cfg: PipelineConfig, run_id: str, start: int, services: dict[s
     """
     logger = get_run_logger()
     settings = get_settings()
-    shared, _ = _RUNS[run_id]
+    shared, _ = ov.RUNNING[run_id]
     # the training process imports torch while batch ``start`` rolls out, not after it landed
     await asyncio.to_thread(stages.start_trainer, cfg, settings, run_id)
     previous: asyncio.Task[None] | None = None
@@ -166,7 +160,7 @@ async def _finish(
 ) -> None:
     """Evaluate the policy a step published (while the next step trains), then, once the previous step is
     recorded, report the step and record it in the run state."""
-    shared, memory = _RUNS[run_id]
+    shared, memory = ov.RUNNING[run_id]
     iteration, version = int(step["iteration"]), int(step["policy_version"])
     try:
         evaluation: dict[str, Any] | None = None
@@ -225,7 +219,7 @@ def train_step(
     evaluation of the previous policy is running)."""
     logger = get_run_logger()
     settings = get_settings()
-    shared = _RUNS[run_id][0]
+    shared = ov.RUNNING[run_id][0]
     shared.check()  # a step started while the run stops: nothing to do
     started = time.monotonic()
     policy_dir, version, mlflow_run_id = position["policy_dir"], position["policy_version"], position["mlflow_run_id"]

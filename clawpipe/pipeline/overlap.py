@@ -23,6 +23,7 @@ from typing import Any
 from clawpipe.config import Settings
 from clawpipe.errors import ClawpipeError, Halted
 from clawpipe.pipeline.config import PipelineConfig
+from clawpipe.pipeline.monitor import PeakMemory
 from clawpipe.pipeline.state import RunState
 
 
@@ -127,19 +128,14 @@ class Overlap:
             raise ClawpipeError(f"async loop stopped: {self.stop}")
 
 
-_HALTS: dict[str, threading.Event] = {}  # run_id -> its async loop's ``halted``, while the loop runs
+# run_id -> what the two flows of its async loop share in this process (flows/async_loop.py), while it runs
+RUNNING: dict[str, tuple[Overlap, PeakMemory]] = {}
 
 
 def halt_event(run_id: str) -> threading.Event | None:
-    """The halt event of run ``run_id``'s async loop in this process (None: no async loop runs it here)."""
-    return _HALTS.get(run_id)
-
-
-def register_halt(run_id: str, event: threading.Event | None) -> None:
-    if event is None:
-        _HALTS.pop(run_id, None)
-    else:
-        _HALTS[run_id] = event
+    """The ``halted`` event of run ``run_id``'s async loop in this process (None: no async loop runs it here)."""
+    loop = RUNNING.get(run_id)
+    return loop[0].halted if loop is not None else None
 
 
 def landed_batch(settings: Settings, cfg: PipelineConfig, run_id: str, iteration: int) -> list[dict[str, Any]] | None:

@@ -289,9 +289,10 @@ def iter_rollouts(
             ):
                 pending: set[Future[RolloutResult]] = set()
                 submitted = 0
+                halted: Callable[[], bool] = halt.is_set if halt is not None else lambda: False
                 try:
                     for i in range(len(spec_list)):  # keep at most 2x concurrency futures alive: memory stays flat
-                        if halt is not None and halt.is_set():
+                        if halted():
                             break
                         pending.add(pool.submit(state.run_one, spec_list[i], manifests[i]))
                         submitted += 1
@@ -299,11 +300,11 @@ def iter_rollouts(
                             done, pending = _wait_one(pending, halt)
                             for f in done:
                                 yield f.result()
-                    while pending and not (halt is not None and halt.is_set()):
+                    while pending and not halted():
                         done, pending = _wait_one(pending, halt)
                         for f in done:
                             yield f.result()
-                    if halt is not None and halt.is_set():
+                    if halted():
                         not_started = len(spec_list) - submitted + sum(f.cancel() for f in pending)
                         raise Halted(
                             f"batch {batch}: the run is stopping; the rollouts under way finish (their results "
