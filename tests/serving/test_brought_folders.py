@@ -251,8 +251,9 @@ def test_bos_tokenizer_one_bos_in_every_prompt(policy_dir: Path, tmp_path: Path)
     bos = load_tokenizer(folder).convert_tokens_to_ids(ENDOFTEXT)
     with start(folder) as handle:
         head = {"x-clawpipe-rollout": "r1"}
-        first = httpx.post(handle.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 6},
-                           headers=head, timeout=60).json()  # fmt: skip
+        first = httpx.post(handle.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 6,
+                           "return_token_ids": True}, headers=head, timeout=60).json()  # fmt: skip
+        sampled = first["choices"][0]["token_ids"]
         history = [*MESSAGES, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
         history.append({"role": "user", "content": "Higher."})
         second = httpx.post(handle.url + "/v1/chat/completions", json={"messages": history, "max_tokens": 4},
@@ -263,8 +264,13 @@ def test_bos_tokenizer_one_bos_in_every_prompt(policy_dir: Path, tmp_path: Path)
             "continue_final_message": True, "add_generation_prompt": False,
         }).json()  # fmt: skip
         msg = post(handle.url, "/v1/messages", {"messages": MESSAGES, "max_tokens": 4, "model": "bos"}).json()
-        for ids in (first["prompt_token_ids"], second["prompt_token_ids"], cont["prompt_token_ids"]):
+        for ids in (first["prompt_token_ids"], cont["prompt_token_ids"]):
             assert ids[0] == bos and ids.count(bos) == 1
+        # the next turn holds the first turn's sampled ids as they were sampled: a BOS the model sampled stays
+        # (the model conditions on its own tokens); the template adds none
+        again = second["prompt_token_ids"]
+        assert again[0] == bos and again.count(bos) == 1 + sampled.count(bos)
+        assert again[: len(first["prompt_token_ids"])] == first["prompt_token_ids"]
         assert msg["prompt_token_ids"][0] == bos and msg["prompt_token_ids"].count(bos) == 1
         raw = post(handle.url, "/v1/completions", {"prompt": "Guess", "max_tokens": 2}).json()
         assert raw["prompt_token_ids"][0] == bos and raw["prompt_token_ids"].count(bos) == 1
