@@ -123,16 +123,19 @@ def test_stream_options_without_stream_is_a_400_as_openai_answers_it(server: Any
         f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream_options": opts}, timeout=30
     )
     assert legacy.status_code == 400 and legacy.json()["error"]["param"] == "stream_options", legacy.text
-    streamed = stream_events(
-        post(server, "chat", {"messages": MSGS, "max_tokens": 2, "stream": True, "stream_options": opts}).text
-    )
+    # ignore_eos: end-of-turn drawn first (sampled at temperature 1) would end the answer at one token
+    body = {"messages": MSGS, "max_tokens": 2, "stream": True, "stream_options": opts, "ignore_eos": True}
+    streamed = stream_events(post(server, "chat", body).text)
     assert streamed[-1]["usage"]["completion_tokens"] == 2
 
 
 def test_top_logprobs_without_logprobs_is_a_400(server: Any) -> None:
     r = post(server, "chat", {"messages": MSGS, "max_tokens": 2, "top_logprobs": 3})
     assert r.status_code == 400 and "'top_logprobs' needs 'logprobs': true" in error_message("chat", r), r.text
-    ok = post(server, "chat", {"messages": MSGS, "max_tokens": 2, "top_logprobs": 3, "logprobs": True})
+    # ignore_eos: end-of-turn drawn first (sampled at temperature 1) would end the answer at one token
+    ok = post(
+        server, "chat", {"messages": MSGS, "max_tokens": 2, "top_logprobs": 3, "logprobs": True, "ignore_eos": True}
+    )
     assert [len(e["top_logprobs"]) for e in ok.json()["choices"][0]["logprobs"]["content"]] == [3, 3]
 
 
