@@ -10,11 +10,14 @@ the flow then ends its run as Cancelled (flows/pipeline.py).
 The UI shows the run's subflows beside it (an iteration; in async mode the rollout producer, the trainer
 and its steps), and cancelling one of those is cancelling the run: the watch follows the running
 descendants of the run's flow run too (a level deeper each poll), and a Cancelling one stops the run the
-same way; that subflow then ends Cancelled (:meth:`CancelWatch.settle`), not Crashed.
+same way. Once stopped, the subflows the signal cut short end Cancelled (:meth:`CancelWatch.settle`), not
+Crashed or Running. A rollout shard (a flow run of the rollout-shard deployment on a pool's worker) is not
+this process's: cancelling one stops that shard only, and its rollouts run again (clawpipe/pipeline/fanout.py).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
@@ -24,6 +27,7 @@ from uuid import UUID
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
+    FlowRunFilterDeploymentId,
     FlowRunFilterParentFlowRunId,
     FlowRunFilterState,
     FlowRunFilterStateType,
@@ -45,7 +49,7 @@ class CancelWatch:
         self.flow_run_id = UUID(str(flow_run_id)) if flow_run_id else None
         self.poll_s = poll_s
         self.requested = False
-        self.subflow: tuple[UUID, str] | None = None  # (id, name) of the subflow whose cancel stopped the run
+        self.stopped_at: datetime.datetime | None = None  # when this process was signalled
         self._stop = threading.Event()
         self._signal_lock = threading.Lock()  # no SIGTERM once the block has been left
         self._thread = threading.Thread(target=self._loop, name="cancel-watch", daemon=True)
@@ -70,14 +74,7 @@ class CancelWatch:
             while not self._stop.wait(self.poll_s):
                 try:
                     state: Any = client.read_flow_run(root).state
-                    children = client.read_flow_runs(
-                        flow_run_filter=FlowRunFilter(
-                            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[root, *running]),
-                            state=FlowRunFilterState(
-                                type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.CANCELLING])
-                            ),
-                        )
-                    )
+                    children = _subflows(client, [root, *running], [StateType.RUNNING, StateType.CANCELLING])
                 except Exception as exc:  # the API away for a moment must not end the run; said once
                     failures += 1
                     if failures == 1:
@@ -89,7 +86,6 @@ class CancelWatch:
                     return
                 for child in children:
                     if child.state is not None and child.state.is_cancelling():
-                        self.subflow = (child.id, child.name)
                         self._cancel(f"flow run {child.name} ({child.id}) of this run")
                         return
                 running = [c.id for c in children]
@@ -99,16 +95,45 @@ class CancelWatch:
             if not self._stop.is_set():
                 log.info("%s was cancelled through Prefect: stopping the run", what)
                 self.requested = True
+                self.stopped_at = datetime.datetime.now(datetime.UTC)
                 os.kill(os.getpid(), signal.SIGTERM)  # Prefect's handler raises TerminationSignal in main
 
     def settle(self, message: str) -> None:
-        """Once the run has stopped: the subflow whose cancel stopped it ends Cancelled (its own unwinding left
-        it Cancelling or Crashed). Best effort: the run stopped either way."""
-        if self.subflow is None:
+        """Once a cancelled run has stopped: the subflows of its flow run that the signal cut short (left
+        Running, Cancelling or Crashed by their own unwinding) end Cancelled, the cancelled one among them.
+        Best effort: the run stopped either way."""
+        if not self.requested or self.flow_run_id is None or self.stopped_at is None:
             return
-        flow_run_id, name = self.subflow
+        since = self.stopped_at - datetime.timedelta(seconds=5)  # the server's clock may run a little behind
+        cut: list[Any] = []
         try:
             with get_client(sync_client=True) as client:
-                client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+                parents = [self.flow_run_id]
+                while parents:  # a level at a time: an iteration, then its steps' subflows
+                    level = [
+                        run
+                        for run in _subflows(client, parents, [*_CUT, StateType.CRASHED])
+                        if run.state is not None and (run.state.type in _CUT or run.state.timestamp >= since)
+                    ]
+                    cut += level
+                    parents = [run.id for run in level]
+                for run in cut:
+                    client.set_flow_run_state(run.id, Cancelled(message=message), force=True)
         except Exception as exc:
-            log.warning("could not mark the cancelled flow run %s Cancelled: %s", name, exc)
+            log.warning("could not mark the subflows of the cancelled run Cancelled: %s", exc)
+
+
+_CUT = [StateType.RUNNING, StateType.CANCELLING, StateType.PENDING]  # a subflow the signal stopped mid-way
+
+
+def _subflows(client: Any, parents: list[UUID], states: list[StateType]) -> list[Any]:
+    """This process's subflows of ``parents`` (not deployment runs such as rollout shards) in ``states``."""
+    return list(
+        client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents),
+                deployment_id=FlowRunFilterDeploymentId(is_null_=True),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states)),
+            )
+        )
+    )

@@ -67,7 +67,9 @@ def rollout_batch(
     if cfg.rollout_pool:  # shards as flow runs on the pool's workers (flows/rollout_shard.py)
         from flows.rollout_shard import fan_out_batch
 
-        done = fan_out_batch(cfg, specs, proxy_url=proxy_url, batch_id=f"{kind}-{iteration}")
+        done = fan_out_batch(
+            cfg, specs, proxy_url=proxy_url, batch_id=f"{kind}-{iteration}", halt=overlap.halt_event(run_id)
+        )
     else:
         done = stages.run_rollouts(
             cfg,

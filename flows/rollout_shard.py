@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
@@ -39,7 +40,7 @@ from prefect.concurrency.sync import concurrency  # noqa: E402
 from prefect.deployments import run_deployment  # noqa: E402
 from prefect.exceptions import ObjectNotFound  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
-from prefect.states import Crashed  # noqa: E402
+from prefect.states import Cancelled, Cancelling, Crashed  # noqa: E402
 
 from clawpipe import objstore  # noqa: E402
 from clawpipe.errors import ConfigError  # noqa: E402
@@ -161,9 +162,22 @@ class PrefectShards:
     def give_up(self, handle: str, reason: str) -> None:
         self.client.set_flow_run_state(uuid.UUID(handle), Crashed(message=reason), force=True)
 
+    def cancel(self, handle: str, reason: str) -> None:
+        """Cancelling where a worker has taken it (the worker stops its process and ends it Cancelled);
+        Cancelled where none has yet."""
+        run_id = uuid.UUID(handle)
+        state = self.client.read_flow_run(run_id).state
+        if state is not None and state.is_final():
+            return
+        taken = state is not None and state.type in (StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
+        self.client.set_flow_run_state(run_id, (Cancelling if taken else Cancelled)(message=reason), force=True)
 
-def fan_out_batch(cfg: PipelineConfig, specs: list[Any], *, proxy_url: str, batch_id: str) -> dict[str, Any]:
-    """The rollout stage with ``rollout_pool``: the batch's shards run on the pool's workers."""
+
+def fan_out_batch(
+    cfg: PipelineConfig, specs: list[Any], *, proxy_url: str, batch_id: str, halt: threading.Event | None = None
+) -> dict[str, Any]:
+    """The rollout stage with ``rollout_pool``: the batch's shards run on the pool's workers (cancelled when
+    the run stops; ``halt``: see clawpipe/pipeline/fanout.py)."""
     if not os.environ.get("PREFECT_API_URL"):
         raise ConfigError(
             "rollout_pool needs a Prefect server that workers share: start one (prefect server start) and set "
@@ -175,7 +189,16 @@ def fan_out_batch(cfg: PipelineConfig, specs: list[Any], *, proxy_url: str, batc
     upstreams = upstreams_of(proxy_url, settings.admin())
     runner = PrefectShards(cfg.rollout_pool)
     with runner.client:
-        return fanout.fan_out(cfg, specs, runner=runner, settings=settings, batch_id=batch_id, upstreams=upstreams)
+        return fanout.fan_out(
+            cfg,
+            specs,
+            runner=runner,
+            settings=settings,
+            batch_id=batch_id,
+            upstreams=upstreams,
+            halt=halt,
+            logger=get_run_logger(),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

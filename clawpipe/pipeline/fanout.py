@@ -14,6 +14,11 @@ claims it as published before uploading its rows, and the store lets one of them
 crashed; one that had claimed first is publishing, and its rows are awaited for one more
 ``shard_stall_s``. The rollouts of an ended shard that have no result row in the store run again in a new shard as
 ``<id>.a<N>`` (N: the batch's attempt counter on disk), at most ``max_attempts`` times each.
+
+A run that stops (cancelled or killed: the signal in the main thread, or ``halt`` set by an async run's
+loop) cancels the shards it is watching, so no worker goes on with a stopped run's rollouts; ``--resume``
+reruns those without a result row under new ids. An error of the watch itself leaves them running: the
+task's retry keeps the rows they write.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from clawpipe import objstore
 from clawpipe.config import Settings
-from clawpipe.errors import SandboxError
+from clawpipe.errors import Halted, SandboxError
 from clawpipe.pipeline.attempts import AttemptCounter, attempt_id, attempt_ids, plan
 from clawpipe.pipeline.shards import (
     GIVEN_UP,
@@ -53,6 +59,8 @@ class ShardRunner(Protocol):
     def state(self, handle: str) -> str: ...  # "pending" | "starting" | "running" | "completed" | "failed"
 
     def give_up(self, handle: str, reason: str) -> None: ...
+
+    def cancel(self, handle: str, reason: str) -> None: ...  # stop it wherever it is (its run is stopping)
 
 
 def read_batch_rows(lake_uri: str, run_id: str, iteration: int, batch_id: str) -> dict[str, dict[str, Any]]:
@@ -94,6 +102,8 @@ class FanOut:
     poll_s: float = 2.0
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
+    halt: threading.Event | None = None  # set when an async run stops (clawpipe/pipeline/overlap.py)
+    log: Any = log  # a flow passes its run logger, so the run's console and the UI show the shards
     submitted: list[ShardRequest] = dataclasses.field(default_factory=list)
     given_up: list[str] = dataclasses.field(default_factory=list)
 
@@ -111,15 +121,24 @@ class FanOut:
         self.current = {sid: attempt_ids(sid, attempt)[-1] for sid in ids}
         self.tries = dict.fromkeys(ids, 0)
         if kept:
-            log.info("batch %s: %d rollouts already have rows, %d to run", self.batch_id, len(kept), len(todo))
+            self.log.info("batch %s: %d rollouts already have rows, %d to run", self.batch_id, len(kept), len(todo))
         live: dict[str, _Live] = {}
-        self._submit(todo, attempt, live)
-        while live:
-            self.sleep(self.poll_s)
-            for handle in list(live):
-                if self._ended(handle, live[handle]):
-                    req = live.pop(handle).req
-                    self._rerun(req, live)
+        try:
+            self._submit(todo, attempt, live)
+            while live:
+                self.sleep(self.poll_s)
+                if self.halt is not None and self.halt.is_set():
+                    raise Halted(f"batch {self.batch_id}: the run is stopping; {len(live)} shards cancelled")
+                for handle in list(live):
+                    if self._ended(handle, live[handle]):
+                        req = live.pop(handle).req
+                        self._rerun(req, live)
+        except BaseException as exc:
+            # the run is stopping (a signal, Halted): so are its shards; an error of the watch is not the run's,
+            # and the shards go on (a retry keeps their rows)
+            if not isinstance(exc, Exception):
+                self._cancel(live)
+            raise
         rows = self._final_rows(include_infra=True)
         missing = [sid for sid in ids if self.current[sid] not in rows and sid not in kept]
         if missing:
@@ -156,14 +175,14 @@ class FanOut:
             handle = self.runner.submit(req)
             self.submitted.append(req)
             live[handle] = _Live(req, submitted=self.clock())
-            log.info("batch %s: shard %s (%d rollouts) submitted as %s", self.batch_id, req.key, len(part), handle)
+            self.log.info("batch %s: shard %s (%d rollouts) submitted as %s", self.batch_id, req.key, len(part), handle)
 
     def _ended(self, handle: str, shard: _Live) -> bool:
         state = self.runner.state(handle)
         now = self.clock()
         if state in FINAL:
             if state == "failed":
-                log.warning("batch %s: shard %s ended %s", self.batch_id, shard.req.key, state)
+                self.log.warning("batch %s: shard %s ended %s", self.batch_id, shard.req.key, state)
             return True
         if shard.publishing:
             if all(rid in self._final_rows(include_infra=True) for rid in shard.req.rollout_ids.values()):
@@ -190,16 +209,28 @@ class FanOut:
             return False
         if decide(self.lake_uri, shard.req, GIVEN_UP) == PUBLISHED:
             shard.publishing = now
-            log.info("batch %s: shard %s claimed its rows before it could be given up: awaiting them", self.batch_id,
-                     shard.req.key)  # fmt: skip
+            self.log.info(
+                "batch %s: shard %s claimed its rows before it could be given up: awaiting them",
+                self.batch_id,
+                shard.req.key,
+            )
             return False
         return self._give_up(handle, shard, reason)
 
     def _give_up(self, handle: str, shard: _Live, reason: str) -> bool:
         self.runner.give_up(handle, f"shard {shard.req.key}: {reason}; its rollouts run again elsewhere")
         self.given_up.append(shard.req.key)
-        log.warning("batch %s: shard %s given up: %s", self.batch_id, shard.req.key, reason)
+        self.log.warning("batch %s: shard %s given up: %s", self.batch_id, shard.req.key, reason)
         return True
+
+    def _cancel(self, live: dict[str, _Live]) -> None:
+        for handle, shard in live.items():
+            try:
+                self.runner.cancel(handle, f"shard {shard.req.key}: its run is stopping")
+            except Exception as exc:  # best effort: the run stops either way, and resume reruns the shard
+                self.log.warning("batch %s: could not cancel shard %s: %s", self.batch_id, shard.req.key, exc)
+            else:
+                self.log.info("batch %s: shard %s cancelled", self.batch_id, shard.req.key)
 
     def _heartbeat(self, req: ShardRequest) -> str:
         fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".json"))
@@ -214,7 +245,7 @@ class FanOut:
         retry = [sid for sid in todo if self.tries[sid] < self.max_attempts]
         if not todo:
             return
-        log.warning(
+        self.log.warning(
             "batch %s: shard %s ended with %d of %d rollouts unfinished; rerunning %d under new ids",
             self.batch_id,
             req.key,
@@ -228,7 +259,15 @@ class FanOut:
 
 
 def fan_out(
-    cfg: Any, specs: list[Any], *, runner: ShardRunner, settings: Settings, batch_id: str, upstreams: list[str]
+    cfg: Any,
+    specs: list[Any],
+    *,
+    runner: ShardRunner,
+    settings: Settings,
+    batch_id: str,
+    upstreams: list[str],
+    halt: threading.Event | None = None,
+    logger: Any = log,
 ) -> dict[str, Any]:
     """Run a batch's specs as shards on ``runner``; returns the stage's summary (see :class:`FanOut`)."""
     if not specs:
@@ -236,7 +275,7 @@ def fan_out(
 
         return summarize_results([])
     counter = AttemptCounter(settings.runs_dir / specs[0].run_id / "shards" / f"{batch_id}.attempt")
-    return FanOut(cfg, specs, runner, lake_uri_of(settings), batch_id, upstreams, counter).run()
+    return FanOut(cfg, specs, runner, lake_uri_of(settings), batch_id, upstreams, counter, halt=halt, log=logger).run()
 
 
 def land_run(settings: Settings) -> dict[str, Any]:

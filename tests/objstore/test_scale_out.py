@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,23 +42,46 @@ task_set = "guess"
 """
 
 
-def _kill_mid_shard(lake: str, homes: dict[str, Path], workers: dict[str, subprocess.Popen[bytes]]) -> dict[str, Any]:
-    """Wait until a shard of iteration 0 has finished some but not all of its rollouts; SIGKILL its worker's
-    process group and the shard's own (the flow run runs in a session of its own). Returns its heartbeat."""
-    hosts = {objstore.host_id(home / "captures"): name for name, home in homes.items()}
+def _mid_shard(lake: str, deadline_s: float = 400) -> tuple[str, dict[str, Any]]:
+    """The key and heartbeat of a shard of iteration 0 once it has finished some but not all of its rollouts."""
     fs, root = objstore.filesystem(f"{lake}/{shards.SHARDS_DIR}")
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         for path in fs.glob(f"{root}/*/0/*.json") if fs.exists(root) else []:
             with contextlib.suppress(FileNotFoundError, ValueError):
                 beat = json.loads(fs.cat_file(path))
                 if 0 < beat["done"] < beat["total"] and "state" not in beat:
-                    name = hosts[beat["host"]]
-                    os.killpg(workers[name].pid, signal.SIGKILL)
-                    os.killpg(os.getpgid(int(beat["pid"])), signal.SIGKILL)
-                    return {**beat, "worker": name, "key": path.rsplit("/", 1)[-1][: -len(".json")]}
+                    return path.rsplit("/", 1)[-1][: -len(".json")], beat
         time.sleep(0.2)
     raise AssertionError("no shard of iteration 0 was seen mid-way")
+
+
+def _kill_mid_shard(lake: str, homes: dict[str, Path], workers: dict[str, subprocess.Popen[bytes]]) -> dict[str, Any]:
+    """Wait until a shard of iteration 0 has finished some but not all of its rollouts; SIGKILL its worker's
+    process group and the shard's own (the flow run runs in a session of its own). Returns its heartbeat."""
+    hosts = {objstore.host_id(home / "captures"): name for name, home in homes.items()}
+    key, beat = _mid_shard(lake)
+    name = hosts[beat["host"]]
+    os.killpg(workers[name].pid, signal.SIGKILL)
+    os.killpg(os.getpgid(int(beat["pid"])), signal.SIGKILL)
+    return {**beat, "worker": name, "key": key}
+
+
+def _env(tmp_path: Path, api: str, lake: str) -> dict[str, str]:
+    """The environment every process of a fanned-out test shares: its Prefect server, the lake in the bucket."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CLAWPIPE_"))}
+    env.update(
+        {
+            "PREFECT_HOME": str(tmp_path / "prefect"),
+            "PREFECT_API_URL": api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "DO_NOT_TRACK": "true",
+            "PYTHONUNBUFFERED": "1",
+            "CLAWPIPE_LAKE_URI": lake,
+        }
+    )
+    return env
 
 
 @pytest.mark.slow
@@ -71,18 +95,7 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
     lake = f"{s3_bucket}/lake"
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CLAWPIPE_"))}
-    env.update(
-        {
-            "PREFECT_HOME": str(tmp_path / "prefect"),
-            "PREFECT_API_URL": api,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_WORKER_QUERY_SECONDS": "1",
-            "DO_NOT_TRACK": "true",
-            "PYTHONUNBUFFERED": "1",
-            "CLAWPIPE_LAKE_URI": lake,
-        }
-    )
+    env = _env(tmp_path, api, lake)
     server = start_server(port, env, tmp_path / "server.log")
     homes = {name: tmp_path / name for name in ("hostA", "hostB", "control")}
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -177,3 +190,72 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
     assert trained and not trained & set(cut)  # ... but none of them is in a trained sequence
     assert stats["calls_without_rollout"] > 0
     assert len(result["iterations"]) == 2 and killed["worker"] in ("hostA", "hostB")
+
+
+@pytest.mark.slow
+def test_a_fanned_out_run_cancelled_through_prefect_cancels_its_shard_on_the_worker(
+    s3_bucket: str, tmp_path: Path
+) -> None:
+    """The run's flow run cancelled (as the UI does) while a shard runs on a worker: the run stops, and so does
+    the shard (before, the worker ran it to its end for a run that had stopped): its flow run ends Cancelled
+    and its process exits while the worker lives on. ``--resume`` then finishes the batch with every call and
+    every rollout row once."""
+    from clawpipe.lake import run_sql
+    from clawpipe.pipeline.services import stop_host_proxies
+
+    lake = f"{s3_bucket}/cancel-lake"
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = _env(tmp_path, api, lake)
+    server = start_server(port, env, tmp_path / "server.log")
+    host, control = tmp_path / "hostA", tmp_path / "control"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    cli = [sys.executable, "-m", "clawpipe"]
+    try:
+        wait_until_healthy(api, server, tmp_path / "server.log")
+        host_env = {**env, "CLAWPIPE_HOME": str(host), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / "c-host")}
+        procs["worker"] = spawn([*cli, "worker", "--pool", "rollouts", "--slots", "2", "--limit", "1"], host_env,
+                                tmp_path / "worker.log")  # fmt: skip
+        cfg = tmp_path / "fanout.toml"
+        cfg.write_text(FANOUT_CONFIG.replace("iterations = 2", "iterations = 1"))
+        control_env = {**env, "CLAWPIPE_HOME": str(control), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / "c")}
+        procs["run"] = spawn([*cli, "run", "--config", str(cfg)], control_env, tmp_path / "run.log")
+        _key, beat = _mid_shard(lake)
+        body = {"flows": {"name": {"any_": ["pipeline"]}}}
+        (pipeline,) = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()
+        cancel = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
+        r = httpx.post(f"{api}/flow_runs/{pipeline['id']}/set_state", json=cancel, timeout=10)
+        assert r.status_code in (200, 201), r.text
+        assert procs["run"].wait(timeout=120) == 1, (tmp_path / "run.log").read_text()[-4000:]
+        assert re.search(r"batch rollout-0: shard \S+ cancelled", (tmp_path / "run.log").read_text())
+        body = {"flows": {"name": {"any_": ["rollout-shard"]}}}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            states = [s["state_type"] for s in httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()]
+            shard_alive = os.path.exists(f"/proc/{beat['pid']}")
+            if not shard_alive and not {"RUNNING", "PENDING", "CANCELLING", "SCHEDULED"} & set(states):
+                break
+            time.sleep(0.5)
+        assert "CANCELLED" in states and not {"RUNNING", "PENDING", "CANCELLING", "SCHEDULED"} & set(states), states
+        assert not shard_alive, "the cancelled shard's process still runs"
+        assert procs["worker"].poll() is None  # the worker stopped the shard, not itself
+        (state_file,) = control.glob("runs/*/state.json")
+        run_id = state_file.parent.name
+        resumed = subprocess.run([*cli, "run", "--resume", run_id], env=control_env, capture_output=True, text=True,
+                                 timeout=500)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=60)
+        stop_host_proxies(host)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    calls = run_sql(lake, f"select count(*) n, count(distinct call_id) d from model_calls where run_id = '{run_id}'")
+    (row,) = calls.to_pylist()
+    assert row["n"] == row["d"] > 0  # every call once
+    ids = run_sql(lake, f"select rollout_id from rollouts where run_id = '{run_id}'").column(0).to_pylist()
+    specs = [re.sub(r"\.a\d+$", "", r) for r in ids]
+    assert len(ids) == len(set(specs)) == 2 * 4  # every planned rollout once: under its id or a later attempt's

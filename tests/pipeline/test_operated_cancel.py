@@ -155,6 +155,11 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(
         for cut in (flow_run, cancelled):  # the run, and the subflow cancelled: Cancelled, not Crashed
             state = httpx.get(f"{api}/flow_runs/{cut['id']}", timeout=10).json()["state"]
             assert state["type"] == "CANCELLED", (cut["name"], state)
+        # and every subflow the stop cut short (before: left Crashed, or Running in async mode)
+        every = httpx.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()
+        flows = {f["id"]: f["name"] for f in httpx.post(f"{api}/flows/filter", json={}, timeout=10).json()}
+        cut_short = [(flows[r["flow_id"]], r["state_type"]) for r in every if r["state_type"] != "COMPLETED"]
+        assert cut_short and all(state == "CANCELLED" for _, state in cut_short), cut_short
         cut_at = _completed(home)
         assert 1 <= cut_at < ITERATIONS
 

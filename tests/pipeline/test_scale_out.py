@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from clawpipe.config import Settings
-from clawpipe.errors import ConfigError, SandboxError
+from clawpipe.errors import ConfigError, Halted, SandboxError
 from clawpipe.pipeline import attempts, fanout, shards
 from clawpipe.pipeline.config import HarnessEntry, PipelineConfig
 from clawpipe.pipeline.stages import sample_specs
@@ -92,6 +93,7 @@ class ScriptedRunner:
         self.lake, self.stall, self.starting = lake, stall, starting
         self.reqs: dict[str, shards.ShardRequest] = {}
         self.given_up: dict[str, str] = {}
+        self.cancelled: dict[str, str] = {}
 
     def submit(self, req: shards.ShardRequest) -> str:
         handle = f"h{len(self.reqs)}"
@@ -119,6 +121,9 @@ class ScriptedRunner:
 
     def give_up(self, handle: str, reason: str) -> None:
         self.given_up[handle] = reason
+
+    def cancel(self, handle: str, reason: str) -> None:
+        self.cancelled[handle] = reason
 
 
 class Clock:
@@ -212,6 +217,37 @@ def test_a_batch_whose_shards_never_finish_fails_clearly(tmp_path: Path) -> None
     with pytest.raises(SandboxError, match="no result after 3 attempts"):
         fan.run()
     assert len(fan.submitted) == 3 and len(fan.given_up) == 3
+
+
+def test_a_stopping_run_cancels_the_shards_it_watches_and_starts_no_more(tmp_path: Path) -> None:
+    """An async run stopping (``halt`` set from its loop) while two shards run: both are cancelled on their
+    workers, no shard is submitted after, and the batch raises Halted (no result rows are made up)."""
+    halt = threading.Event()
+    runner = ScriptedRunner(_memory_lake(), stall={0, 1})
+    fan = _watch(tmp_path, _stall_cfg(groups=1, samples=4), runner, Clock(lambda now: now >= 4 and halt.set()))
+    fan.halt = halt
+    with pytest.raises(Halted, match="batch rollout-0: the run is stopping; 2 shards cancelled"):
+        fan.run()
+    assert sorted(runner.cancelled) == ["h0", "h1"] and len(fan.submitted) == 2 and not runner.given_up
+    assert "its run is stopping" in runner.cancelled["h0"]
+
+
+@pytest.mark.parametrize(("raised", "cancels"), [(KeyboardInterrupt, True), (OSError, False)])
+def test_a_signal_cancels_the_shards_and_an_error_of_the_watch_leaves_them_running(
+    tmp_path: Path, raised: type[BaseException], cancels: bool
+) -> None:
+    """The main thread's signal (a kill or cancel of a sync run) cancels the live shards; an error of the watch
+    (the store away) does not: the task's retry finds the rows they go on to write."""
+    runner = ScriptedRunner(_memory_lake(), stall={0})
+
+    def on_sleep(now: float) -> None:
+        if now >= 4:
+            raise raised("stop")
+
+    fan = _watch(tmp_path, _stall_cfg(groups=1, samples=2), runner, Clock(on_sleep))
+    with pytest.raises(raised):
+        fan.run()
+    assert list(runner.cancelled) == (["h0"] if cancels else [])
 
 
 @pytest.mark.slow
