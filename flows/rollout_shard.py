@@ -138,7 +138,7 @@ _STATES = {
     StateType.COMPLETED: "completed",
     StateType.FAILED: "failed",
     StateType.CRASHED: "failed",
-    StateType.CANCELLED: "failed",
+    StateType.CANCELLED: "cancelled",
 }
 
 

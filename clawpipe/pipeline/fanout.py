@@ -3,7 +3,7 @@
 :class:`FanOut` splits the batch (clawpipe/pipeline/shards.py), submits each shard to a
 :class:`ShardRunner` (flows/rollout_shard.py: flow runs of the rollout-shard deployment) and polls it:
 
-- ended (completed, failed, crashed): done;
+- ended (completed, failed, crashed, cancelled): done;
 - taken by a worker but without a heartbeat for ``shard_start_s`` (the worker died while starting it:
   the flow run stays PENDING), or running with a heartbeat unchanged for ``shard_stall_s`` (its worker
   was killed, so nobody reports the end): given up;
@@ -47,7 +47,7 @@ from clawpipe.pipeline.shards import (
 
 log = logging.getLogger(__name__)
 
-FINAL = ("completed", "failed")
+FINAL = ("completed", "failed", "cancelled")
 TAKEN = ("starting", "running")  # a worker has the shard: its heartbeat is expected
 
 
@@ -56,7 +56,7 @@ class ShardRunner(Protocol):
 
     def submit(self, req: ShardRequest) -> str: ...
 
-    def state(self, handle: str) -> str: ...  # "pending" | "starting" | "running" | "completed" | "failed"
+    def state(self, handle: str) -> str: ...  # pending | starting | running | completed | failed | cancelled
 
     def give_up(self, handle: str, reason: str) -> None: ...
 
@@ -181,7 +181,7 @@ class FanOut:
         state = self.runner.state(handle)
         now = self.clock()
         if state in FINAL:
-            if state == "failed":
+            if state != "completed":
                 self.log.warning("batch %s: shard %s ended %s", self.batch_id, shard.req.key, state)
             return True
         if shard.publishing:

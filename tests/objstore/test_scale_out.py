@@ -42,16 +42,18 @@ task_set = "guess"
 """
 
 
-def _mid_shard(lake: str, deadline_s: float = 400) -> tuple[str, dict[str, Any]]:
-    """The key and heartbeat of a shard of iteration 0 once it has finished some but not all of its rollouts."""
+def _mid_shard(lake: str, deadline_s: float = 400, skip: frozenset[str] = frozenset()) -> tuple[str, dict[str, Any]]:
+    """The key and heartbeat of a shard of iteration 0 (not one in ``skip``) once it has finished some but not
+    all of its rollouts."""
     fs, root = objstore.filesystem(f"{lake}/{shards.SHARDS_DIR}")
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         for path in fs.glob(f"{root}/*/0/*.json") if fs.exists(root) else []:
             with contextlib.suppress(FileNotFoundError, ValueError):
                 beat = json.loads(fs.cat_file(path))
-                if 0 < beat["done"] < beat["total"] and "state" not in beat:
-                    return path.rsplit("/", 1)[-1][: -len(".json")], beat
+                key = path.rsplit("/", 1)[-1][: -len(".json")]
+                if 0 < beat["done"] < beat["total"] and "state" not in beat and key not in skip:
+                    return key, beat
         time.sleep(0.2)
     raise AssertionError("no shard of iteration 0 was seen mid-way")
 
@@ -196,9 +198,10 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
 def test_a_fanned_out_run_cancelled_through_prefect_cancels_its_shard_on_the_worker(
     s3_bucket: str, tmp_path: Path
 ) -> None:
-    """The run's flow run cancelled (as the UI does) while a shard runs on a worker: the run stops, and so does
-    the shard (before, the worker ran it to its end for a run that had stopped): its flow run ends Cancelled
-    and its process exits while the worker lives on. ``--resume`` then finishes the batch with every call and
+    """One shard's flow run cancelled in the UI: that shard stops and the run goes on, rerunning its unfinished
+    rollouts. Then the run's flow run cancelled while a shard runs on a worker: the run stops, and so does the
+    shard (before, the worker ran it to its end for a run that had stopped): its flow run ends Cancelled and
+    its process exits while the worker lives on. ``--resume`` then finishes the batch with every call and
     every rollout row once."""
     from clawpipe.lake import run_sql
     from clawpipe.pipeline.services import stop_host_proxies
@@ -220,19 +223,39 @@ def test_a_fanned_out_run_cancelled_through_prefect_cancels_its_shard_on_the_wor
         cfg.write_text(FANOUT_CONFIG.replace("iterations = 2", "iterations = 1"))
         control_env = {**env, "CLAWPIPE_HOME": str(control), "CLAWPIPE_CAPTURE_CACHE": str(tmp_path / "c")}
         procs["run"] = spawn([*cli, "run", "--config", str(cfg)], control_env, tmp_path / "run.log")
-        _key, beat = _mid_shard(lake)
+        cancel = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
+        shard_runs = {"flows": {"name": {"any_": ["rollout-shard"]}}}
+        first_key, first = _mid_shard(lake)
+        (one,) = [
+            s
+            for s in httpx.post(f"{api}/flow_runs/filter", json=shard_runs, timeout=10).json()
+            if s["name"].endswith(first_key)
+        ]
+        r = httpx.post(f"{api}/flow_runs/{one['id']}/set_state", json=cancel, timeout=10)
+        assert r.status_code in (200, 201), r.text
+        key = re.escape(first_key)
+        rerun = re.compile(
+            rf"shard {key} ended cancelled\n.*shard {key} ended with \d+ of 4 rollouts unfinished; rerun"
+        )
+        deadline = time.monotonic() + 90
+        while not rerun.search((tmp_path / "run.log").read_text()) and time.monotonic() < deadline:
+            assert procs["run"].poll() is None, (tmp_path / "run.log").read_text()[-4000:]
+            time.sleep(0.5)
+        assert rerun.search((tmp_path / "run.log").read_text()), (tmp_path / "run.log").read_text()[-4000:]
+        assert procs["run"].poll() is None  # the run goes on
+
+        _key, beat = _mid_shard(lake, skip=frozenset({first_key}))
         body = {"flows": {"name": {"any_": ["pipeline"]}}}
         (pipeline,) = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()
-        cancel = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
         r = httpx.post(f"{api}/flow_runs/{pipeline['id']}/set_state", json=cancel, timeout=10)
         assert r.status_code in (200, 201), r.text
         assert procs["run"].wait(timeout=120) == 1, (tmp_path / "run.log").read_text()[-4000:]
         assert re.search(r"batch rollout-0: shard \S+ cancelled", (tmp_path / "run.log").read_text())
-        body = {"flows": {"name": {"any_": ["rollout-shard"]}}}
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            states = [s["state_type"] for s in httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()]
-            shard_alive = os.path.exists(f"/proc/{beat['pid']}")
+            runs = httpx.post(f"{api}/flow_runs/filter", json=shard_runs, timeout=10).json()
+            states = [s["state_type"] for s in runs]
+            shard_alive = any(os.path.exists(f"/proc/{b['pid']}") for b in (first, beat))
             if not shard_alive and not {"RUNNING", "PENDING", "CANCELLING", "SCHEDULED"} & set(states):
                 break
             time.sleep(0.5)
