@@ -32,7 +32,7 @@ from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.outcome import Outcome, judge
 from clawpipe.proxy.replicas import RETRY_STATUSES, ReplicaSet
-from clawpipe.proxy.routes import ROUTES, TOKEN_APIS
+from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, allowed_methods, served_path
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
 from clawpipe.proxy.wire import BadRequest
@@ -113,15 +113,7 @@ class CallPath:
 
     def _new_header(self, req: wire.Request, att: RolloutKey, path: str) -> tuple[CaptureHeader, str | None]:
         """The capture header of a new call (its outcome fields filled in later) and its API."""
-        api = ROUTES.get((req.method, path))
-        if api is None and "//" in path:  # a base URL ending in "/" joined by concatenation: "/v1//chat/..."
-            tidy = "/" + "/".join(p for p in path.split("/") if p)
-            if ROUTES.get((req.method, tidy)) or ROUTES.get((req.method, "/v1" + tidy)):
-                path, api = tidy, ROUTES.get((req.method, tidy))
-        if api is None and not path.startswith("/v1/"):  # a base URL given without /v1
-            api = ROUTES.get((req.method, "/v1" + path))
-            if api is not None:
-                path = "/v1" + path
+        path, api = served_path(req.method, path)
         rkey = (att.run_id, att.iteration, att.rollout_id)
         seq = self._seq.get(rkey, -1) + 1
         if seq == 0 and len(self._seq) > 500_000:
@@ -393,7 +385,8 @@ class CallPath:
         if failure is not None:
             respond.not_recorded(conn, failure, req.keep_alive, anthropic=anthropic)
             return
-        respond.send_json(conn, status, body, req.keep_alive)
+        allow = ", ".join(allowed_methods(header.path or "")) if status == 405 else None
+        respond.send_json(conn, status, body, req.keep_alive, allow=allow)
 
     async def capture(self, header: CaptureHeader, request: bytes, response: bytes) -> str | None:
         """Record one call durably and count it by status; None once it is on disk, else why it is not."""
@@ -435,5 +428,8 @@ def _refusal(req: wire.Request, header: CaptureHeader, api: str | None, cfg: Pro
             f"to {sorted(p for _, p in ROUTES)} (stream: true for events as they come)"
         )
     if api is None:
+        allowed = allowed_methods(header.path or "")
+        if allowed:  # a served path asked with another method (a GET of /v1/chat/completions)
+            return 405, f"{req.method} is not allowed on {header.path}: send it as {' or '.join(allowed)}"
         return 404, f"unknown endpoint {req.method} {header.path}: the proxy serves {sorted(p for _, p in ROUTES)}"
     return None

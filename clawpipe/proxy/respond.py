@@ -47,11 +47,13 @@ def after_call(
     send_json(conn, status, response, keep)
 
 
-def send_json(conn: ClientConn, status: int, body: bytes, keep: bool) -> None:
-    """Answer with a JSON body the proxy made (an error in the API's shape)."""
+def send_json(conn: ClientConn, status: int, body: bytes, keep: bool, *, allow: str | None = None) -> None:
+    """Answer with a JSON body the proxy made (an error in the API's shape); ``allow``: a 405's Allow header."""
     headers = [(b"content-type", b"application/json")]
     if status == 415:  # the proxy's only 415 refuses a coded body: say which coding it takes (RFC 9110 12.5.3)
         headers.append((b"accept-encoding", b"identity"))
+    if allow is not None:  # the methods the path is served with (RFC 9110 15.5.6)
+        headers.append((b"allow", allow.encode()))
     if not keep:
         headers.append((b"connection", b"close"))
     conn.write(wire.response_head(status, headers, length=len(body)) + body)

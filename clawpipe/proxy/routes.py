@@ -17,6 +17,29 @@ ROUTES = {
     ("POST", "/v1/messages/count_tokens"): "count_tokens",
     ("GET", "/v1/models"): "models",
 }
+
+
+def served_path(method: str, path: str) -> tuple[str, str | None]:
+    """(the path as served, its API or None) for a request's path: as it is, with empty segments dropped (a
+    base URL ending in "/" joined by concatenation: "/v1//chat/..."), or with "/v1" put in front (a base URL
+    given without it)."""
+    api = ROUTES.get((method, path))
+    if api is None and "//" in path:
+        tidy = "/" + "/".join(p for p in path.split("/") if p)
+        if ROUTES.get((method, tidy)) or ROUTES.get((method, "/v1" + tidy)):
+            path, api = tidy, ROUTES.get((method, tidy))
+    if api is None and not path.startswith("/v1/"):
+        api = ROUTES.get((method, "/v1" + path))
+        if api is not None:
+            path = "/v1" + path
+    return path, api
+
+
+def allowed_methods(path: str) -> list[str]:
+    """The methods some route serves ``path`` with (read as :func:`served_path` reads it): what a 405 allows."""
+    return sorted({m for m, _ in ROUTES if served_path(m, path)[1] is not None})
+
+
 # The model calls: forwarded with token ids asked for (below). The others (models, count_tokens) are
 # forwarded as they are and captured with token_source "none", so training never sees them.
 TOKEN_APIS = frozenset(("chat", "completions", "responses", "messages"))

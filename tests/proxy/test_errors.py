@@ -81,6 +81,32 @@ def test_unknown_path_is_404_and_captured(proxy: ProxyHandle, upstream):
     assert rec.header["http_status"] == 404 and rec.header["path"] == "/v1/embeddings"
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("GET", "/v1/chat/completions", "POST"),  # a health probe, or a browser, on the model endpoint
+        ("PUT", "/v1/responses", "POST"),
+        ("DELETE", "/v1/messages", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("GET", "/chat/completions", "POST"),  # a base URL given without /v1
+        ("GET", "/v1//completions", "POST"),  # one ending in "/", joined by concatenation
+    ],
+)
+def test_a_served_path_asked_with_another_method_is_a_405_naming_the_allowed_one(
+    proxy: ProxyHandle, upstream, method: str, path: str, allow: str
+):
+    """Before: a 404 "unknown endpoint", which sends a user looking for a wrong URL rather than a wrong method."""
+    r = httpx.request(method, f"{proxy.anthropic_base('rm')}{path}", content=b"{}")
+    assert r.status_code == 405 and r.headers["allow"] == allow, (r.status_code, r.headers)
+    msg = r.json()["error"]["message"]
+    assert f"{method} is not allowed on" in msg and f"send it as {allow}" in msg
+    if "messages" in path:  # in the shape of the API the path belongs to
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    (rec,) = proxy.records()
+    assert rec.header["http_status"] == 405 and rec.header["method"] == method and rec.header["api"] == "unknown"
+    assert upstream.requests == []
+
+
 def test_upstream_down_is_502_and_captured(make_proxy):
     proxy = make_proxy([f"http://127.0.0.1:{free_port()}"])
     client = openai.OpenAI(base_url=proxy.openai_base("rd"), api_key="x", max_retries=0)

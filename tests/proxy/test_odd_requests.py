@@ -48,17 +48,18 @@ def test_a_control_character_in_a_chunk_size_line_is_400(proxy: ProxyHandle, ups
 
 
 def test_a_head_request_gets_a_head_without_content_and_the_connection_goes_on(proxy: ProxyHandle, upstream):
-    """The 404 to a HEAD carries no body: a keep-alive client would read those bytes as its next answer."""
+    """The 405 to a HEAD (/v1/models is served to GET) carries no body: a keep-alive client would read those
+    bytes as its next answer."""
     key = key_for("head")
     head_req = f"HEAD /r/{key}/v1/models HTTP/1.1\r\nhost: x\r\n\r\n".encode()
     post = _head("after-head", f"content-length: {len(CHAT)}", "connection: close") + CHAT
     out = _exchange(proxy, head_req + post)
     first, _, rest = out.partition(b"\r\n\r\n")
-    assert first.startswith(b"HTTP/1.1 404") and b"content-length: " in first
+    assert first.startswith(b"HTTP/1.1 405") and b"content-length: " in first and b"allow: GET" in first
     assert rest.startswith(b"HTTP/1.1 200"), rest[:80]
     assert rest.count(b"HTTP/1.1 ") == 1
     statuses = sorted((r.header["rollout_id"], r.header["http_status"]) for r in proxy.records())
-    assert statuses == [("after-head", 200), ("head", 404)]
+    assert statuses == [("after-head", 200), ("head", 405)]
     unauthorized = _exchange(proxy, b"HEAD /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     assert unauthorized.startswith(b"HTTP/1.1 401") and unauthorized.endswith(b"\r\n\r\n")
 
