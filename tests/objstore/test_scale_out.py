@@ -69,6 +69,15 @@ def _kill_mid_shard(lake: str, homes: dict[str, Path], workers: dict[str, subpro
     return {**beat, "worker": name, "key": key}
 
 
+def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each process group still running, then a minute for it to end."""
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=60)
+
+
 def _env(tmp_path: Path, api: str, lake: str) -> dict[str, str]:
     """The environment every process of a fanned-out test shares: its Prefect server, the lake in the bucket."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CLAWPIPE_"))}
@@ -132,11 +141,7 @@ def test_two_workers_one_killed_mid_shard_every_call_once(s3_bucket: str, tmp_pa
         os.kill(proxy_pid, 0)  # the killed worker's host proxy outlived it ...
         assert json.loads(record.read_text())["pid"] == proxy_pid  # ... and was never replaced
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=60)
+        _stop(procs)
         for name in ("hostA", "hostB"):
             stop_host_proxies(homes[name])  # the killed worker's proxy outlived it: seal and upload, then stop
         os.killpg(server.pid, signal.SIGTERM)
@@ -268,11 +273,7 @@ def test_a_fanned_out_run_cancelled_through_prefect_cancels_its_shard_on_the_wor
                                  timeout=500)  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr[-4000:]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=60)
+        _stop(procs)
         stop_host_proxies(host)
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
