@@ -321,7 +321,7 @@ def parse_response(api: str, stream: bool, body: bytes | memoryview, *, http_sta
             parse_messages(obj, parsed, streamed=from_stream)
         elif api == "responses":
             parse_responses(obj, parsed)
-        elif "error" in obj:
+        elif obj.get("error") is not None:  # a stored response read back carries "error": null
             parsed.error = _error_text(obj["error"])
     except (AttributeError, KeyError, TypeError) as exc:
         raise ParseError(f"unexpected {api} response shape: {type(exc).__name__}: {exc}") from exc

@@ -32,7 +32,7 @@ from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.outcome import Outcome, judge
 from clawpipe.proxy.replicas import RETRY_STATUSES, ReplicaSet
-from clawpipe.proxy.routes import ROUTES, TOKEN_APIS, allowed_methods, served_path
+from clawpipe.proxy.routes import BODYLESS_APIS, ROUTES, TOKEN_APIS, allowed_methods, served_path
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
 from clawpipe.proxy.wire import BadRequest
@@ -148,7 +148,7 @@ class CallPath:
             return
         assert api is not None  # refused above otherwise
         body, stream = req.body, False
-        if api != "models":  # a JSON body: checked here, so the upstream never sees a malformed one
+        if api not in BODYLESS_APIS:  # a JSON body: checked here, so the upstream never sees a malformed one
             try:
                 checked = await self.checker.check(api, body, req.headers.get(b"content-encoding"))
             except BadRequest as exc:
@@ -199,9 +199,11 @@ class CallPath:
         fwd_headers = b"".join(
             n + b": " + v + b"\r\n"
             for n, v in req.headers.items()
-            if n in wire.FORWARDED_REQUEST_HEADERS and (api == "models" or n != b"content-type")
+            if n in wire.FORWARDED_REQUEST_HEADERS and (api in BODYLESS_APIS or n != b"content-type")
         )
-        if api != "models":  # the body was read as JSON above: it goes labelled as such, whatever the client said
+        if (
+            api not in BODYLESS_APIS
+        ):  # the body was read as JSON above: it goes labelled as such, whatever the client said
             # (curl -d says form-urlencoded, a string body in fetch text/plain; servers built on FastAPI, vLLM's
             # among them, then take the body for a string and refuse the call)
             fwd_headers = b"content-type: application/json\r\n" + fwd_headers
@@ -210,7 +212,7 @@ class CallPath:
         fwd_headers += wire.rollout_header(header.run_id, header.iteration, header.rollout_id)
         path, query = header.path or "", header.query
         target = path + "?" + query if query else path
-        raw = (req.method, target, fwd_headers, body if api != "models" else b"")
+        raw = (req.method, target, fwd_headers, body if api not in BODYLESS_APIS else b"")
         call = Call(
             conn,
             stream,

@@ -7,6 +7,7 @@ the capture keeps the original body and records the change in the header's ``req
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 ROUTES = {
@@ -17,19 +18,35 @@ ROUTES = {
     ("POST", "/v1/messages/count_tokens"): "count_tokens",
     ("GET", "/v1/models"): "models",
 }
+# Paths with an id in them: a model (names may hold "/"), a stored response read back or deleted
+ID_ROUTES = (
+    ("GET", re.compile(r"/v1/models/.+"), "models"),
+    ("GET", re.compile(r"/v1/responses/[^/]+(/input_items)?"), "responses_read"),
+    ("DELETE", re.compile(r"/v1/responses/[^/]+"), "responses_delete"),
+)
+# Sent without a body (GET, DELETE): forwarded as they are
+BODYLESS_APIS = frozenset(("models", "responses_read", "responses_delete"))
+METHODS = sorted({m for m, _ in ROUTES} | {m for m, _, _ in ID_ROUTES})
+
+
+def _route(method: str, path: str) -> str | None:
+    api = ROUTES.get((method, path))
+    if api is None:
+        api = next((a for m, pattern, a in ID_ROUTES if m == method and pattern.fullmatch(path)), None)
+    return api
 
 
 def served_path(method: str, path: str) -> tuple[str, str | None]:
     """(the path as served, its API or None) for a request's path: as it is, with empty segments dropped (a
     base URL ending in "/" joined by concatenation: "/v1//chat/..."), or with "/v1" put in front (a base URL
     given without it)."""
-    api = ROUTES.get((method, path))
+    api = _route(method, path)
     if api is None and "//" in path:
         tidy = "/" + "/".join(p for p in path.split("/") if p)
-        if ROUTES.get((method, tidy)) or ROUTES.get((method, "/v1" + tidy)):
-            path, api = tidy, ROUTES.get((method, tidy))
+        if _route(method, tidy) or _route(method, "/v1" + tidy):
+            path, api = tidy, _route(method, tidy)
     if api is None and not path.startswith("/v1/"):
-        api = ROUTES.get((method, "/v1" + path))
+        api = _route(method, "/v1" + path)
         if api is not None:
             path = "/v1" + path
     return path, api
@@ -37,11 +54,12 @@ def served_path(method: str, path: str) -> tuple[str, str | None]:
 
 def allowed_methods(path: str) -> list[str]:
     """The methods some route serves ``path`` with (read as :func:`served_path` reads it): what a 405 allows."""
-    return sorted({m for m, _ in ROUTES if served_path(m, path)[1] is not None})
+    return [m for m in METHODS if served_path(m, path)[1] is not None]
 
 
-# The model calls: forwarded with token ids asked for (below). The others (models, count_tokens) are
-# forwarded as they are and captured with token_source "none", so training never sees them.
+# The model calls: forwarded with token ids asked for (below). The others (models, count_tokens, stored
+# responses read back) are forwarded as they are and captured with token_source "none", so training never
+# sees them.
 TOKEN_APIS = frozenset(("chat", "completions", "responses", "messages"))
 # Fields added to the forwarded body per API (docs/ARCHITECTURE.md, contract A); logprobs only when absent or falsy.
 WANTED_FIELDS: dict[str, dict[str, Any]] = {

@@ -16,6 +16,31 @@ from clawpipe.serving.routes import Choice, Routes, sse
 from clawpipe.serving.splice import Prompt
 from clawpipe.serving.text import new_id
 
+Kept = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # the whole input a response ran on; its request's part
+
+
+def _query_int(query: dict[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    raw = query.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise RequestError(f"'{key}' must be an integer from {lo} to {hi}, got {raw!r}", param=key)
+    return value
+
+
+def _listed_item(item: dict[str, Any], suffix: str) -> dict[str, Any]:
+    """An input item as the input_items list shows it: typed, with an id, a message's text as a content part."""
+    kind = item.get("type") or ("message" if "role" in item else "item")
+    out = {**item, "type": kind, "id": item.get("id") or f"{'msg' if kind == 'message' else 'item'}_{suffix}"}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    return out
+
 
 class ResponsesRoutes(Routes):
     """OpenAI Responses routes (stream and not), as Codex CLI uses them; the standard SSE event sequence."""
@@ -27,7 +52,7 @@ class ResponsesRoutes(Routes):
         store = body.get("store", True)
         if not isinstance(store, bool | None):
             raise RequestError("'store' must be true or false")
-        items = convert.input_items(body)
+        own = items = convert.input_items(body)
         if body.get("previous_response_id") is not None:
             items = [*self.responses_store.context(body["previous_response_id"]), *items]
         messages, tools = convert.responses_messages({**body, "input": items})
@@ -59,7 +84,7 @@ class ResponsesRoutes(Routes):
             "store": store is not False,
             "usage": None,
         }
-        keep = items if store is not False else None
+        keep = (items, own) if store is not False else None
         if body.get("stream"):
             return self.sse_response(self._responses_stream(prompt, params, bool(tools), skeleton, keep))
         version, (c,) = await self.run(prompt, params, bool(tools))
@@ -69,10 +94,62 @@ class ResponsesRoutes(Routes):
         self._keep(done, keep)
         return JSONResponse(done)
 
-    def _keep(self, done: dict[str, Any], input_items: list[dict[str, Any]] | None) -> None:
-        """Keep a finished response for later previous_response_id references (unless store was false)."""
-        if input_items is not None:
-            self.responses_store.put(done["id"], input_items, done["output"])
+    def _keep(self, done: dict[str, Any], keep: Kept | None) -> None:
+        """Keep a finished response for later previous_response_id references and reading back (unless store
+        was false); ``keep``: the whole input it ran on, and the part its request sent."""
+        if keep is not None:
+            self.responses_store.put(done["id"], keep[0], done["output"], done, keep[1])
+
+    # ------------------------------------------------------------ stored responses read back, deleted
+
+    def _not_kept(self, response_id: str) -> RequestError:
+        return RequestError(
+            f"Response with id '{response_id}' not found: this server keeps the last "
+            f"{self.responses_store.max_responses} responses created with store true (the default), in memory",
+            status=404,
+            code="response_not_found",
+        )
+
+    def stored_response(self, response_id: str) -> dict[str, Any]:
+        """``GET /v1/responses/{id}``: the response as it was answered (without the per-token fields)."""
+        found = self.responses_store.response(response_id)
+        if found is None:
+            raise self._not_kept(response_id)
+        return found
+
+    def deleted_response(self, response_id: str) -> dict[str, Any]:
+        """``DELETE /v1/responses/{id}``; responses that continue it keep their context."""
+        if not self.responses_store.delete(response_id):
+            raise self._not_kept(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def stored_input_items(self, response_id: str, query: dict[str, str]) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: the items its request sent, as a list page (``limit`` 1-100,
+        default 20; ``order`` asc or desc, the default; ``after`` an item id)."""
+        own = self.responses_store.own_input(response_id)
+        if own is None:
+            raise self._not_kept(response_id)
+        limit = _query_int(query, "limit", 20, 1, 100)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise RequestError(f"'order' must be asc or desc, got {order!r}", param="order")
+        items = [_listed_item(item, f"{response_id[5:]}_{i}") for i, item in enumerate(own)]
+        if order == "desc":
+            items.reverse()
+        after = query.get("after")
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise RequestError(f"'after' names no input item of {response_id}: {after!r}", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
     @staticmethod
     def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -134,7 +211,7 @@ class ResponsesRoutes(Routes):
         params: SamplingParams,
         tools: bool,
         skeleton: dict[str, Any],
-        keep: list[dict[str, Any]] | None,
+        keep: Kept | None,
     ) -> AsyncIterator[bytes]:
         """The event sequence; cut short by the engine (shutdown, an engine error), it ends with an `error` event
         in the Responses API's shape, so the client (and a capture) sees why."""
@@ -152,7 +229,7 @@ class ResponsesRoutes(Routes):
         params: SamplingParams,
         tools: bool,
         skeleton: dict[str, Any],
-        keep: list[dict[str, Any]] | None,
+        keep: Kept | None,
     ) -> AsyncIterator[bytes]:
         c = Choice(0, tools)
         version = self.engine.policy_version

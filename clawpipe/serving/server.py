@@ -85,29 +85,61 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
     app.add_api_route("/v1/messages/count_tokens", endpoint(routes.count_tokens, anthropic_error), methods=["POST"])
     app.add_api_route("/admin/reload", routes.reload, methods=["POST"])
 
+    def read(handler: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+        """A route that reads what the server keeps (no body): RequestError -> the OpenAI error it names."""
+
+        async def run(request: Request) -> Response:
+            try:
+                return JSONResponse(handler(request))
+            except RequestError as exc:
+                return openai_error(str(exc), exc.status, param=exc.param, code=exc.code)
+
+        return run
+
+    def model_entry(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "clawpipe",
+            "root": str(engine.model_dir),
+            "max_model_len": engine.max_model_len,
+            "policy_version": engine.policy_version,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "clawpipe",
-                    "root": str(engine.model_dir),
-                    "max_model_len": engine.max_model_len,
-                    "policy_version": engine.policy_version,
-                }
-                for name in engine.served_names
-            ],
-        }
+        return {"object": "list", "data": [model_entry(name) for name in engine.served_names]}
+
+    def one_model(request: Request) -> dict[str, Any]:
+        name = request.path_params["model"]
+        if name not in engine.served_names:
+            raise RequestError(
+                f"The model `{name}` does not exist: this server serves {', '.join(engine.served_names)}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return model_entry(name)
+
+    app.add_api_route("/v1/models/{model:path}", read(one_model), methods=["GET"])
+    stored = "/v1/responses/{response_id}"
+    app.add_api_route(stored, read(lambda r: routes.stored_response(r.path_params["response_id"])), methods=["GET"])
+    app.add_api_route(stored, read(lambda r: routes.deleted_response(r.path_params["response_id"])), methods=["DELETE"])
+    app.add_api_route(
+        stored + "/input_items",
+        read(lambda r: routes.stored_input_items(r.path_params["response_id"], dict(r.query_params))),
+        methods=["GET"],
+    )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         method, path = request.method, request.url.path
         if exc.status_code == 404:
-            message = f"no route {method} {path}: this server serves POST {', '.join(API_PATHS)} and GET /v1/models"
+            message = (
+                f"no route {method} {path}: this server serves POST {', '.join(API_PATHS)}, GET /v1/models[/ID] "
+                "and GET or DELETE /v1/responses/ID (GET .../input_items)"
+            )
         elif exc.status_code == 405:
             message = (
                 f"{method} is not allowed on {path}; use {exc.headers.get('Allow', 'POST') if exc.headers else 'POST'}"

@@ -149,3 +149,73 @@ def test_openai_completions_with_a_list_of_prompts(route: Route, stream: bool) -
     rows = route.check_captured([("completions", stream)] * 2)
     if rows:
         assert rows[0]["prompt_token_ids"] != rows[1]["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("route", OPENAI_ROUTES, indirect=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_openai_stored_responses_are_read_back_listed_and_deleted(route: Route, stream: bool) -> None:
+    """The SDK's retrieve, input_items.list and delete of responses created with store (the default), a turn
+    continuing one by previous_response_id, and models.retrieve: served as OpenAI serves them (before, each was
+    a 404 "no route"); through the proxy each is forwarded and captured as a call without token ids."""
+    client = _openai(route)
+    ask: dict[str, Any] = {"model": MODEL, "tools": [RESPONSES_TOOL], "temperature": 0}
+
+    def turn(**kw: Any) -> Any:
+        if not stream:
+            return client.responses.create(**ask, **kw)
+        with client.responses.stream(**ask, **kw) as events:
+            return events.get_final_response()
+
+    first = turn(input=[{"role": "user", "content": USER}])
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    reply = {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}
+    second = turn(input=[reply], previous_response_id=first.id)
+    assert second.output_text == FINAL_TEXT
+
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.status == "completed" and got.model == MODEL
+    assert [o.model_dump(exclude_none=True) for o in got.output] == [
+        o.model_dump(exclude_none=True) for o in first.output
+    ]
+    assert got.usage is not None and first.usage is not None and got.usage.input_tokens == first.usage.input_tokens
+    assert "prompt_token_ids" not in (got.model_extra or {})  # the engine's per-token fields stay in the capture
+    own = client.responses.input_items.list(second.id).data  # its own input only, not first's
+    assert [(i.type, getattr(i, "call_id", None)) for i in own] == [("function_call_output", call.call_id)]
+    (message,) = client.responses.input_items.list(first.id, order="asc").data
+    assert message.type == "message" and message.id and message.content[0].text == USER  # type: ignore[union-attr]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
+
+    deleted = client.responses.delete(first.id)
+    assert deleted is None  # the SDK returns nothing for a 200 delete
+    with pytest.raises(openai.NotFoundError, match=f"Response with id '{first.id}' not found"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+    assert client.responses.retrieve(second.id).output_text == FINAL_TEXT  # what continued it stays
+    unstored = client.responses.create(**ask, input=[{"role": "user", "content": USER}], store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+    rows = route.landed_calls()
+    if not route.proxied:
+        assert rows == []
+        return
+    apis = [(r["api"], r["status"], r["http_status"], r["token_source"]) for r in rows]
+    read, gone = ("responses_read", "ok", 200, "none"), ("responses_read", "http_error", 404, "none")
+    assert apis == [
+        ("responses", "ok", 200, "upstream"),
+        ("responses", "ok", 200, "upstream"),
+        read,
+        read,
+        read,
+        ("models", "ok", 200, "none"),
+        ("models", "http_error", 404, "none"),
+        ("responses_delete", "ok", 200, "none"),
+        gone,
+        ("responses_delete", "http_error", 404, "none"),
+        read,
+        ("responses", "ok", 200, "upstream"),
+        gone,
+    ], apis

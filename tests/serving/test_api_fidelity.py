@@ -287,3 +287,35 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event_in_each_apis_shape(po
             assert name is None and set(last) == {"error"}
             message = last["error"]["message"]
         assert "shutting down" in message, (path, last)
+
+
+def test_a_stored_responses_input_items_are_paged_as_openai_pages_them(server: Any) -> None:
+    """``GET /v1/responses/ID/input_items``: newest first by default, ``limit`` items a page with ``has_more``,
+    ``after`` an item id, every item typed and with an id (a plain message's text as an input_text part);
+    bad paging is a 400 naming the parameter, and a deleted response a 404 in OpenAI's shape."""
+    items = [{"role": "user", "content": f"turn {i}"} for i in range(5)]
+    made = httpx.post(f"{server.url}/v1/responses", json={"input": items, "max_output_tokens": 2}, timeout=60)
+    rid = made.json()["id"]
+    url = f"{server.url}/v1/responses/{rid}/input_items"
+    page = httpx.get(url, params={"limit": 2}, timeout=10).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["turn 4", "turn 3"] and page["has_more"] is True
+    assert all(i["type"] == "message" and i["id"].startswith("msg_") for i in page["data"])
+    assert page["first_id"] == page["data"][0]["id"] and page["last_id"] == page["data"][1]["id"]
+    rest = httpx.get(url, params={"after": page["last_id"]}, timeout=10).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["turn 2", "turn 1", "turn 0"] and not rest["has_more"]
+    ascending = httpx.get(url, params={"order": "asc"}, timeout=10).json()["data"]
+    assert [i["content"][0]["text"] for i in ascending] == [f"turn {i}" for i in range(5)]
+    for bad, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                       ({"after": "msg_nope"}, "after")):  # fmt: skip
+        r = httpx.get(url, params=bad, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    assert httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10).json()["output"] == made.json()["output"]
+    gone = httpx.delete(f"{server.url}/v1/responses/{rid}", timeout=10)
+    assert gone.json() == {"id": rid, "object": "response.deleted", "deleted": True}
+    for method, path in (
+        ("GET", f"/v1/responses/{rid}"),
+        ("DELETE", f"/v1/responses/{rid}"),
+        ("GET", url[len(server.url) :]),
+    ):
+        r = httpx.request(method, server.url + path, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", (method, path, r.text)
