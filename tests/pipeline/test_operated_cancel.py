@@ -21,6 +21,7 @@ import pytest
 from clawpipe.net import free_port
 from clawpipe.pipeline.state import run_lock
 from tests.support.prefect_server import server_env, spawn, start_server, wait_until_healthy
+from tests.support.procs import descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
@@ -40,24 +41,6 @@ backend = "bwrap"
 name = "chat-loop"
 task_set = "guess"
 """
-
-
-def _children(pid: int) -> list[int]:
-    """Children of every thread of ``pid`` (the sandboxes are started from the runner's threads)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        found += kids
-        todo += kids
-    return found
 
 
 def _cmdline(pid: int) -> str:
@@ -130,7 +113,7 @@ def test_a_run_cancelled_through_prefect_stops_whole_and_resumes_exactly_once(
         deadline, procs = time.monotonic() + 600, []
         while time.monotonic() < deadline:
             assert run.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
-            procs = _descendants(run.pid)
+            procs = descendants(run.pid)
             if _completed(home) >= 1 and any(_cmdline(p).split(" ")[0].endswith("/bwrap") for p in procs):
                 break
             time.sleep(0.1)

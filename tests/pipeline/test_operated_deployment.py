@@ -20,6 +20,7 @@ import pytest
 
 from clawpipe.net import free_port
 from tests.support.prefect_server import server_env, spawn, start_server, wait_until_healthy
+from tests.support.procs import descendants
 
 pytestmark = [pytest.mark.slow]
 
@@ -162,18 +163,6 @@ def test_a_deployment_run_of_a_run_another_process_is_running_fails_at_once(depl
     assert state_file.read_bytes() == before
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` (children of each of its threads, recursively)."""
-    found, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = [int(c) for c in (task / "children").read_text().split()]
-                found += kids
-                todo += kids
-    return found
-
-
 def _completed(home: Path) -> list[Path]:
     return [p for p in home.glob("runs/*/state.json") if json.loads(p.read_text())["completed"]]
 
@@ -199,7 +188,7 @@ def test_a_flow_run_retried_after_its_worker_was_killed_resumes_its_run(deployed
     worker = deployed.start_worker("killed-worker")
     try:
         _await_an_iteration(deployed, "retried", flow_run_id, worker)
-        for pid in [worker.pid, *_descendants(worker.pid)]:  # the host went: worker and flow process alike
+        for pid in [worker.pid, *descendants(worker.pid)]:  # the host went: worker and flow process alike
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         worker.wait()
@@ -240,7 +229,7 @@ def test_a_deployment_run_cancelled_in_the_ui_stops_on_its_worker(deployed: Depl
     try:
         _await_an_iteration(deployed, "cancelled", flow_run_id, worker)
         # the flow run's processes: everything under the worker but the Prefect worker process itself
-        flow_procs = [p for p in _descendants(worker.pid) if b"worker\0start" not in _cmdline(p)]
+        flow_procs = [p for p in descendants(worker.pid) if b"worker\0start" not in _cmdline(p)]
         cancel = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
         r = httpx.post(f"{deployed.api}/flow_runs/{flow_run_id}/set_state", json=cancel, timeout=10)
         assert r.status_code < 400, r.text
