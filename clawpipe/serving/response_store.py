@@ -59,7 +59,9 @@ class ResponseStore:
         per-token fields)."""
         kept = {k: v for k, v in (response or {"id": response_id}).items() if k not in _NOT_KEPT}
         own = input_items if own_input is None else own_input
-        size = len(orjson.dumps([input_items, output_items, kept]))
+        # the output items are the response's own (one copy in memory, counted once)
+        same = kept.get("output") is output_items
+        size = len(orjson.dumps([input_items, kept] if same else [input_items, output_items, kept]))
         if size > self.max_bytes:
             log.info("response %s not kept: %d bytes, over the store's %d", response_id, size, self.max_bytes)
             return
