@@ -23,10 +23,7 @@ def _query_int(query: dict[str, str], key: str, default: int, lo: int, hi: int) 
     raw = query.get(key)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = lo - 1
+    value = int(raw) if raw.isascii() and raw.isdigit() else lo - 1  # plain digits: no sign, space or "1_0"
     if not lo <= value <= hi:
         raise RequestError(f"'{key}' must be an integer from {lo} to {hi}, got {raw!r}", param=key)
     return value
