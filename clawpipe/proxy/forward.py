@@ -32,7 +32,7 @@ from clawpipe.proxy.config import ProxyConfig
 from clawpipe.proxy.conn import ClientConn
 from clawpipe.proxy.outcome import Outcome, judge
 from clawpipe.proxy.replicas import RETRY_STATUSES, ReplicaSet
-from clawpipe.proxy.routes import BODYLESS_APIS, ROUTES, TOKEN_APIS, allowed_methods, served_path
+from clawpipe.proxy.routes import BODYLESS_APIS, ROUTE_NAMES, ROUTES, TOKEN_APIS, allowed_methods, served_path
 from clawpipe.proxy.segments import SegmentWriter
 from clawpipe.proxy.upstream import Replica
 from clawpipe.proxy.wire import BadRequest
@@ -433,5 +433,5 @@ def _refusal(req: wire.Request, header: CaptureHeader, api: str | None, cfg: Pro
         allowed = allowed_methods(header.path or "")
         if allowed:  # a served path asked with another method (a GET of /v1/chat/completions)
             return 405, f"{req.method} is not allowed on {header.path}: send it as {' or '.join(allowed)}"
-        return 404, f"unknown endpoint {req.method} {header.path}: the proxy serves {sorted(p for _, p in ROUTES)}"
+        return 404, f"unknown endpoint {req.method} {header.path}: the proxy serves {', '.join(ROUTE_NAMES)}"
     return None

@@ -27,6 +27,12 @@ ID_ROUTES = (
 # Sent without a body (GET, DELETE): forwarded as they are
 BODYLESS_APIS = frozenset(("models", "responses_read", "responses_delete"))
 METHODS = sorted({m for m, _ in ROUTES} | {m for m, _, _ in ID_ROUTES})
+# every route as an error names it (an id route with its id as a placeholder)
+ROUTE_NAMES = sorted(
+    [f"{m} {p}" for m, p in ROUTES]
+    + ["GET /v1/models/{model}", "GET /v1/responses/{id}", "GET /v1/responses/{id}/input_items"]
+    + ["DELETE /v1/responses/{id}"]
+)
 
 
 def _route(method: str, path: str) -> str | None:

@@ -76,9 +76,20 @@ def test_body_over_limit_is_413_and_captured(make_proxy, upstream):
 
 def test_unknown_path_is_404_and_captured(proxy: ProxyHandle, upstream):
     r = httpx.post(f"{proxy.openai_base('rn')}/embeddings", json={"input": "x"})
-    assert r.status_code == 404 and "unknown endpoint" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and "unknown endpoint POST /v1/embeddings" in message
+    # the message names every route, the stored-response ones with their id (before: the plain paths only)
+    assert "GET /v1/responses/{id}/input_items" in message and "POST /v1/chat/completions" in message
     (rec,) = proxy.records()
     assert rec.header["http_status"] == 404 and rec.header["path"] == "/v1/embeddings"
+
+
+def test_every_route_an_error_names_is_served() -> None:
+    from clawpipe.proxy.routes import ROUTE_NAMES, served_path
+
+    for name in ROUTE_NAMES:
+        method, path = name.split(" ", 1)
+        assert served_path(method, path.replace("{model}", "m-1").replace("{id}", "resp_1"))[1], name
 
 
 @pytest.mark.parametrize(
