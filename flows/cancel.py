@@ -33,6 +33,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.sorting import FlowRunSort
 from prefect.logging import get_logger
 from prefect.states import Cancelled
 
@@ -49,7 +50,7 @@ class CancelWatch:
         self.flow_run_id = UUID(str(flow_run_id)) if flow_run_id else None
         self.poll_s = poll_s
         self.requested = False
-        self.stopped_at: datetime.datetime | None = None  # when this process was signalled
+        self.stopped_at: datetime.datetime | None = None  # when the cancel was asked, by the server's clock
         self._stop = threading.Event()
         self._signal_lock = threading.Lock()  # no SIGTERM once the block has been left
         self._thread = threading.Thread(target=self._loop, name="cancel-watch", daemon=True)
@@ -82,20 +83,20 @@ class CancelWatch:
                     continue
                 failures = 0
                 if state is not None and (state.is_cancelling() or state.is_cancelled()):
-                    self._cancel(f"flow run {root}")
+                    self._cancel(f"flow run {root}", state.timestamp)
                     return
                 for child in children:
                     if child.state is not None and child.state.is_cancelling():
-                        self._cancel(f"flow run {child.name} ({child.id}) of this run")
+                        self._cancel(f"flow run {child.name} ({child.id}) of this run", child.state.timestamp)
                         return
                 running = [c.id for c in children]
 
-    def _cancel(self, what: str) -> None:
+    def _cancel(self, what: str, at: datetime.datetime) -> None:
         with self._signal_lock:
             if not self._stop.is_set():
                 log.info("%s was cancelled through Prefect: stopping the run", what)
                 self.requested = True
-                self.stopped_at = datetime.datetime.now(datetime.UTC)
+                self.stopped_at = at
                 os.kill(os.getpid(), signal.SIGTERM)  # Prefect's handler raises TerminationSignal in main
 
     def settle(self, message: str) -> None:
@@ -104,7 +105,7 @@ class CancelWatch:
         Best effort: the run stopped either way."""
         if not self.requested or self.flow_run_id is None or self.stopped_at is None:
             return
-        since = self.stopped_at - datetime.timedelta(seconds=5)  # the server's clock may run a little behind
+        since = self.stopped_at  # the server's clock, as are the subflows' state times
         cut: list[Any] = []
         try:
             with get_client(sync_client=True) as client:
@@ -127,13 +128,26 @@ _CUT = [StateType.RUNNING, StateType.CANCELLING, StateType.PENDING]  # a subflow
 
 
 def _subflows(client: Any, parents: list[UUID], states: list[StateType]) -> list[Any]:
-    """This process's subflows of ``parents`` (not deployment runs such as rollout shards) in ``states``."""
-    return list(
-        client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents),
-                deployment_id=FlowRunFilterDeploymentId(is_null_=True),
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states)),
+    """This process's subflows of ``parents`` (not deployment runs such as rollout shards) in ``states``,
+    every page of them (the API answers at most a page per read)."""
+    flow_run_filter = FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents),
+        deployment_id=FlowRunFilterDeploymentId(is_null_=True),
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states)),
+    )
+    found: list[Any] = []
+    while True:
+        page = list(
+            client.read_flow_runs(
+                flow_run_filter=flow_run_filter,
+                sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+                offset=len(found),
+                limit=_PAGE,
             )
         )
-    )
+        found += page
+        if len(page) < _PAGE:
+            return found
+
+
+_PAGE = 200  # the server's default and largest page (PREFECT_API_DEFAULT_LIMIT)

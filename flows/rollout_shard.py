@@ -32,6 +32,7 @@ from clawpipe.config import Settings, get_settings, prepare_environment
 
 SETTINGS = prepare_environment()  # offline-safe Prefect/MLflow settings before either is imported
 
+import httpx  # noqa: E402
 from prefect import flow, get_run_logger  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate  # noqa: E402
@@ -40,6 +41,7 @@ from prefect.concurrency.sync import concurrency  # noqa: E402
 from prefect.deployments import run_deployment  # noqa: E402
 from prefect.exceptions import ObjectNotFound  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings  # noqa: E402
 from prefect.states import Cancelled, Cancelling, Crashed  # noqa: E402
 
 from clawpipe import objstore  # noqa: E402
@@ -54,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOW = "rollout-shard"
 DEPLOYMENT = f"{FLOW}/{FLOW}"
 LEASE_S = 60  # the server's shortest lease: slots of a killed holder come back within a minute
+CANCEL_TIMEOUT_S = 5.0  # each API call cancelling a shard of a stopping run (within fanout.CANCEL_S in all)
 
 
 def limit_name(settings: Settings) -> str:
@@ -164,13 +167,20 @@ class PrefectShards:
 
     def cancel(self, handle: str, reason: str) -> None:
         """Cancelling where a worker has taken it (the worker stops its process and ends it Cancelled);
-        Cancelled where none has yet."""
+        Cancelled where none has yet. Proposed, not forced: the server refuses it for a shard that ended
+        meanwhile. Asked on a client of its own with one short try per call, as a stopping run cannot wait
+        out the API's retries."""
         run_id = uuid.UUID(handle)
-        state = self.client.read_flow_run(run_id).state
-        if state is not None and state.is_final():
-            return
-        taken = state is not None and state.type in (StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
-        self.client.set_flow_run_state(run_id, (Cancelling if taken else Cancelled)(message=reason), force=True)
+        timeout = httpx.Timeout(CANCEL_TIMEOUT_S)
+        with (
+            temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}),
+            get_client(httpx_settings={"timeout": timeout}, sync_client=True) as client,
+        ):
+            state = client.read_flow_run(run_id).state
+            if state is not None and state.is_final():
+                return
+            taken = state is not None and state.type in (StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
+            client.set_flow_run_state(run_id, (Cancelling if taken else Cancelled)(message=reason))
 
 
 def fan_out_batch(

@@ -15,10 +15,13 @@ crashed; one that had claimed first is publishing, and its rows are awaited for 
 ``shard_stall_s``. The rollouts of an ended shard that have no result row in the store run again in a new shard as
 ``<id>.a<N>`` (N: the batch's attempt counter on disk), at most ``max_attempts`` times each.
 
-A run that stops (cancelled or killed: the signal in the main thread, or ``halt`` set by an async run's
-loop) cancels the shards it is watching, so no worker goes on with a stopped run's rollouts; ``--resume``
-reruns those without a result row under new ids. An error of the watch itself leaves them running: the
-task's retry keeps the rows they write.
+A watch that ends early (the run cancelled or killed: the signal in the main thread, or ``halt`` set by an
+async run's loop; or an error of the watch itself, which the task's retry follows) first fences each shard
+it is watching as given up, then cancels it on its worker: no shard goes on with rollouts that the retry or
+``--resume`` reruns under new ids, and none publishes rows beside theirs. A shard that had already claimed
+its rows is left to upload them. The pass has one deadline (``CANCEL_S``) and stops at the first error (the
+store or the API away): a shard it could not fence runs to its end, and a shard it fenced but could not
+cancel runs to its end without publishing.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from clawpipe.pipeline.shards import (
 log = logging.getLogger(__name__)
 
 FINAL = ("completed", "failed", "cancelled")
+CANCEL_S = 10.0  # the whole cancel pass of a stopping watch, so a stopping run is not held by an API away
 TAKEN = ("starting", "running")  # a worker has the shard: its heartbeat is expected
 
 
@@ -127,17 +131,15 @@ class FanOut:
             self._submit(todo, attempt, live)
             while live:
                 self.sleep(self.poll_s)
-                if self.halt is not None and self.halt.is_set():
-                    raise Halted(f"batch {self.batch_id}: the run is stopping; {len(live)} shards cancelled")
+                self._check_halt(live)
                 for handle in list(live):
                     if self._ended(handle, live[handle]):
                         req = live.pop(handle).req
                         self._rerun(req, live)
-        except BaseException as exc:
-            # the run is stopping (a signal, Halted): so are its shards; an error of the watch is not the run's,
-            # and the shards go on (a retry keeps their rows)
-            if not isinstance(exc, Exception):
-                self._cancel(live)
+        except BaseException:
+            # the run is stopping (a signal, Halted) or the watch failed (the retry reruns what has no rows):
+            # either way no shard may go on to publish rows for rollouts run again elsewhere
+            self._cancel(live)
             raise
         rows = self._final_rows(include_infra=True)
         missing = [sid for sid in ids if self.current[sid] not in rows and sid not in kept]
@@ -153,9 +155,14 @@ class FanOut:
         rows = read_batch_rows(self.lake_uri, self.run_id, self.iteration, self.batch_id)
         return {k: v for k, v in rows.items() if include_infra or v.get("status") != "infra_error"}
 
+    def _check_halt(self, live: dict[str, _Live]) -> None:
+        if self.halt is not None and self.halt.is_set():
+            raise Halted(f"batch {self.batch_id}: the run is stopping; {len(live)} shards cancelled")
+
     def _submit(self, todo: list[tuple[str, str]], attempt: int, live: dict[str, _Live]) -> None:
         shard_count = len(self.submitted)
         for k, part in enumerate(split(todo, self.cfg.shard_size)):
+            self._check_halt(live)  # a stopping run starts no more shards
             req = ShardRequest(
                 cfg=self.cfg.model_dump(mode="json"),
                 run_id=self.run_id,
@@ -224,13 +231,27 @@ class FanOut:
         return True
 
     def _cancel(self, live: dict[str, _Live]) -> None:
-        for handle, shard in live.items():
+        deadline = self.clock() + CANCEL_S
+        shards = list(live.items())
+        for n, (handle, shard) in enumerate(shards):
+            key = shard.req.key
             try:
-                self.runner.cancel(handle, f"shard {shard.req.key}: its run is stopping")
-            except Exception as exc:  # best effort: the run stops either way, and resume reruns the shard
-                self.log.warning("batch %s: could not cancel shard %s: %s", self.batch_id, shard.req.key, exc)
-            else:
-                self.log.info("batch %s: shard %s cancelled", self.batch_id, shard.req.key)
+                if self.clock() > deadline:
+                    raise TimeoutError(f"the cancel pass took over CANCEL_S={CANCEL_S:.0f}s")
+                if decide(self.lake_uri, shard.req, GIVEN_UP) == PUBLISHED:
+                    self.log.info("batch %s: shard %s claimed its rows: left to upload them", self.batch_id, key)
+                    continue
+                self.runner.cancel(handle, f"shard {key}: its run is stopping")
+            except Exception as exc:  # the run stops either way; what has no rows runs again under new ids
+                rest = [s.req.key for _, s in shards[n:]]
+                self.log.warning(
+                    "batch %s: could not cancel shards %s (%s): they run to their end on their workers",
+                    self.batch_id,
+                    ", ".join(rest),
+                    exc,
+                )
+                return
+            self.log.info("batch %s: shard %s cancelled", self.batch_id, key)
 
     def _heartbeat(self, req: ShardRequest) -> str:
         fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".json"))

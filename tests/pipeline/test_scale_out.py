@@ -220,8 +220,8 @@ def test_a_batch_whose_shards_never_finish_fails_clearly(tmp_path: Path) -> None
 
 
 def test_a_stopping_run_cancels_the_shards_it_watches_and_starts_no_more(tmp_path: Path) -> None:
-    """An async run stopping (``halt`` set from its loop) while two shards run: both are cancelled on their
-    workers, no shard is submitted after, and the batch raises Halted (no result rows are made up)."""
+    """An async run stopping (``halt`` set from its loop) while two shards run: both are fenced and cancelled
+    on their workers, no shard is submitted after, and the batch raises Halted (no result rows are made up)."""
     halt = threading.Event()
     runner = ScriptedRunner(_memory_lake(), stall={0, 1})
     fan = _watch(tmp_path, _stall_cfg(groups=1, samples=4), runner, Clock(lambda now: now >= 4 and halt.set()))
@@ -230,14 +230,38 @@ def test_a_stopping_run_cancels_the_shards_it_watches_and_starts_no_more(tmp_pat
         fan.run()
     assert sorted(runner.cancelled) == ["h0", "h1"] and len(fan.submitted) == 2 and not runner.given_up
     assert "its run is stopping" in runner.cancelled["h0"]
+    for req in fan.submitted:  # a shard that goes on regardless cannot publish rows
+        assert shards.decide(runner.lake, req, shards.PUBLISHED) == shards.GIVEN_UP
 
 
-@pytest.mark.parametrize(("raised", "cancels"), [(KeyboardInterrupt, True), (OSError, False)])
-def test_a_signal_cancels_the_shards_and_an_error_of_the_watch_leaves_them_running(
-    tmp_path: Path, raised: type[BaseException], cancels: bool
-) -> None:
-    """The main thread's signal (a kill or cancel of a sync run) cancels the live shards; an error of the watch
-    (the store away) does not: the task's retry finds the rows they go on to write."""
+def test_a_shard_ending_as_the_run_stops_is_not_rerun(tmp_path: Path) -> None:
+    """The halt comes while the watch polls: the shard it finds ended without rows (its rollouts would run
+    again under new ids) is not resubmitted; the one still running is cancelled."""
+    halt = threading.Event()
+    runner = ScriptedRunner(_memory_lake(), stall={1})
+    state = runner.state
+
+    def ended_without_rows(handle: str) -> str:
+        if runner.reqs[handle].index == 0:
+            halt.set()  # the run stops just as the watch finds shard 0 over
+            return "failed"
+        return state(handle)
+
+    runner.state = ended_without_rows  # type: ignore[method-assign]
+    fan = _watch(tmp_path, _stall_cfg(groups=1, samples=4), runner, Clock())
+    fan.halt = halt
+    with pytest.raises(Halted, match="the run is stopping; 1 shards cancelled"):
+        fan.run()
+    assert [r.key for r in fan.submitted] == ["rollout-0.s0.a1", "rollout-0.s1.a1"]  # no rerun of shard 0
+    assert list(runner.cancelled) == ["h1"]
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, OSError])
+def test_a_watch_that_ends_early_fences_and_cancels_its_shards(tmp_path: Path, raised: type[BaseException]) -> None:
+    """The main thread's signal (a kill or cancel of a sync run) or an error of the watch (the task's retry
+    follows and reruns the rollouts without rows under new ids): the live shard is fenced, so it cannot
+    publish rows beside the rerun's, and cancelled on its worker. Before, an error of the watch left it
+    running, and its rows landed beside the retry's."""
     runner = ScriptedRunner(_memory_lake(), stall={0})
 
     def on_sleep(now: float) -> None:
@@ -247,7 +271,48 @@ def test_a_signal_cancels_the_shards_and_an_error_of_the_watch_leaves_them_runni
     fan = _watch(tmp_path, _stall_cfg(groups=1, samples=2), runner, Clock(on_sleep))
     with pytest.raises(raised):
         fan.run()
-    assert list(runner.cancelled) == (["h0"] if cancels else [])
+    assert list(runner.cancelled) == ["h0"]
+    assert shards.decide(runner.lake, fan.submitted[0], shards.PUBLISHED) == shards.GIVEN_UP
+
+
+def test_a_stopping_watch_leaves_a_publishing_shard_and_gives_up_on_an_api_away(tmp_path: Path) -> None:
+    """A shard that claimed its rows before the stop is left to upload them (not cancelled); when the API
+    refuses a cancel the pass stops there, naming the shards it left running, instead of waiting on each."""
+    halt = threading.Event()
+    runner = ScriptedRunner(_memory_lake(), stall={0, 1, 2})
+    calls: list[str] = []
+
+    def api_away(handle: str, reason: str) -> None:
+        calls.append(handle)
+        raise ConnectionError("the API is away")
+
+    def stop(now: float) -> None:
+        if now >= 4:
+            shards.decide(runner.lake, runner.reqs["h0"], shards.PUBLISHED)  # shard 0 claims its rows first
+            halt.set()
+
+    runner.cancel = api_away  # type: ignore[method-assign]
+    fan = _watch(tmp_path, _stall_cfg(groups=1, samples=6), runner, Clock(stop))
+    fan.halt = halt
+    lines: list[str] = []
+    fan.log = _Lines(lines)
+    with pytest.raises(Halted):
+        fan.run()
+    assert calls == ["h1"]  # h0 publishing: left alone; h1 refused: h2 not tried
+    assert any("shard rollout-0.s0.a1 claimed its rows" in line for line in lines)
+    assert any("could not cancel shards rollout-0.s1.a1, rollout-0.s2.a1" in line for line in lines), lines
+
+
+class _Lines:
+    """A logger that keeps its formatted lines."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+
+    def _keep(self, msg: str, *args: object) -> None:
+        self.lines.append(msg % args)
+
+    info = warning = _keep
 
 
 @pytest.mark.slow
