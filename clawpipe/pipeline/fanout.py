@@ -19,9 +19,9 @@ A watch that ends early (the run cancelled or killed: the signal in the main thr
 async run's loop; or an error of the watch itself, which the task's retry follows) first fences each shard
 it is watching as given up, then cancels it on its worker: no shard goes on with rollouts that the retry or
 ``--resume`` reruns under new ids, and none publishes rows beside theirs. A shard that had already claimed
-its rows is left to upload them. The pass has one deadline (``CANCEL_S``) and stops at the first error (the
-store or the API away): a shard it could not fence runs to its end, and a shard it fenced but could not
-cancel runs to its end without publishing.
+its rows is left to upload them. The pass starts no cancel after ``CANCEL_S`` and stops at the first error
+(the store or the API away): a shard it could not fence runs to its end, and a shard it fenced but could
+not cancel runs to its end without publishing.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from clawpipe.pipeline.shards import (
 log = logging.getLogger(__name__)
 
 FINAL = ("completed", "failed", "cancelled")
-CANCEL_S = 10.0  # the whole cancel pass of a stopping watch, so a stopping run is not held by an API away
+CANCEL_S = 10.0  # no shard cancel is started later than this into the pass: a stopping run is not held up
 TAKEN = ("starting", "running")  # a worker has the shard: its heartbeat is expected
 
 
