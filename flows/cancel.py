@@ -129,7 +129,7 @@ _CUT = [StateType.RUNNING, StateType.CANCELLING, StateType.PENDING]  # a subflow
 
 def _subflows(client: Any, parents: list[UUID], states: list[StateType]) -> list[Any]:
     """This process's subflows of ``parents`` (not deployment runs such as rollout shards) in ``states``,
-    every page of them (the API answers at most a page per read)."""
+    every page of them (the server answers a page of its own default size per read)."""
     flow_run_filter = FlowRunFilter(
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents),
         deployment_id=FlowRunFilterDeploymentId(is_null_=True),
@@ -137,17 +137,7 @@ def _subflows(client: Any, parents: list[UUID], states: list[StateType]) -> list
     )
     found: list[Any] = []
     while True:
-        page = list(
-            client.read_flow_runs(
-                flow_run_filter=flow_run_filter,
-                sort=FlowRunSort.EXPECTED_START_TIME_ASC,
-                offset=len(found),
-                limit=_PAGE,
-            )
-        )
-        found += page
-        if len(page) < _PAGE:
+        page = list(client.read_flow_runs(flow_run_filter=flow_run_filter, sort=FlowRunSort.ID_DESC, offset=len(found)))
+        if not page:
             return found
-
-
-_PAGE = 200  # the server's default and largest page (PREFECT_API_DEFAULT_LIMIT)
+        found += page

@@ -36,7 +36,8 @@ import httpx  # noqa: E402
 from prefect import flow, get_run_logger  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate  # noqa: E402
-from prefect.client.schemas.objects import StateType  # noqa: E402
+from prefect.client.schemas.objects import State, StateType  # noqa: E402
+from prefect.client.schemas.responses import SetStateStatus  # noqa: E402
 from prefect.concurrency.sync import concurrency  # noqa: E402
 from prefect.deployments import run_deployment  # noqa: E402
 from prefect.exceptions import ObjectNotFound  # noqa: E402
@@ -165,11 +166,11 @@ class PrefectShards:
     def give_up(self, handle: str, reason: str) -> None:
         self.client.set_flow_run_state(uuid.UUID(handle), Crashed(message=reason), force=True)
 
-    def cancel(self, handle: str, reason: str) -> None:
+    def cancel(self, handle: str, reason: str) -> bool:
         """Cancelling where a worker has taken it (the worker stops its process and ends it Cancelled);
         Cancelled where none has yet. Proposed, not forced: the server refuses it for a shard that ended
-        meanwhile. Asked on a client of its own with one short try per call, as a stopping run cannot wait
-        out the API's retries."""
+        meanwhile (False: it had ended). Asked on a client of its own with one short try per call, as a
+        stopping run cannot wait out the API's retries."""
         run_id = uuid.UUID(handle)
         timeout = httpx.Timeout(CANCEL_TIMEOUT_S)
         with (
@@ -177,10 +178,11 @@ class PrefectShards:
             get_client(httpx_settings={"timeout": timeout}, sync_client=True) as client,
         ):
             state = client.read_flow_run(run_id).state
-            if state is not None and state.is_final():
-                return
-            taken = state is not None and state.type in (StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
-            client.set_flow_run_state(run_id, (Cancelling if taken else Cancelled)(message=reason))
+            if state is not None and (state.is_final() or state.is_cancelling()):
+                return not state.is_final()
+            taken = state is not None and state.type in (StateType.PENDING, StateType.RUNNING)
+            proposed: State[Any] = (Cancelling if taken else Cancelled)(message=reason)
+            return client.set_flow_run_state(run_id, proposed).status == SetStateStatus.ACCEPT
 
 
 def fan_out_batch(

@@ -19,9 +19,11 @@ A watch that ends early (the run cancelled or killed: the signal in the main thr
 async run's loop; or an error of the watch itself, which the task's retry follows) first fences each shard
 it is watching as given up, then cancels it on its worker: no shard goes on with rollouts that the retry or
 ``--resume`` reruns under new ids, and none publishes rows beside theirs. A shard that had already claimed
-its rows is left to upload them. The pass starts no cancel after ``CANCEL_S`` and stops at the first error
-(the store or the API away): a shard it could not fence runs to its end, and a shard it fenced but could
-not cancel runs to its end without publishing.
+its rows is left to upload them, and awaited until ``CANCEL_S`` into the pass. Fencing needs only the
+store, cancelling the API: every shard is fenced before any is cancelled, no cancel starts after
+``CANCEL_S``, and each step stops at its first error (the store or the API away): a shard it could not
+fence may still publish; one it fenced but could not cancel runs to its end without publishing. A shard
+whose submission failed is fenced too (its flow run may have been created before the answer was lost).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class ShardRunner(Protocol):
 
     def give_up(self, handle: str, reason: str) -> None: ...
 
-    def cancel(self, handle: str, reason: str) -> None: ...  # stop it wherever it is (its run is stopping)
+    # stop it wherever it is (its run is stopping); False: it had ended, nothing to stop
+    def cancel(self, handle: str, reason: str) -> bool: ...
 
 
 def read_batch_rows(lake_uri: str, run_id: str, iteration: int, batch_id: str) -> dict[str, dict[str, Any]]:
@@ -179,10 +182,23 @@ class FanOut:
             for sid, rid in part:
                 self.current[sid] = rid
                 self.tries[sid] += 1
-            handle = self.runner.submit(req)
+            try:
+                handle = self.runner.submit(req)
+            except BaseException:
+                # its flow run may exist all the same (created before the answer was lost): it must not publish
+                self._fence(req)
+                raise
             self.submitted.append(req)
             live[handle] = _Live(req, submitted=self.clock())
             self.log.info("batch %s: shard %s (%d rollouts) submitted as %s", self.batch_id, req.key, len(part), handle)
+
+    def _fence(self, req: ShardRequest) -> None:
+        try:
+            decide(self.lake_uri, req, GIVEN_UP)
+        except Exception as exc:
+            self.log.warning(
+                "batch %s: could not fence shard %s, whose submission failed: %s", self.batch_id, req.key, exc
+            )
 
     def _ended(self, handle: str, shard: _Live) -> bool:
         state = self.runner.state(handle)
@@ -231,27 +247,65 @@ class FanOut:
         return True
 
     def _cancel(self, live: dict[str, _Live]) -> None:
+        """The watch ends early: fence every live shard first (the store only), then cancel the fenced ones on
+        their workers (the API), then give those that had claimed their rows the rest of ``CANCEL_S`` to upload
+        them, so a rerun that follows finds them."""
         deadline = self.clock() + CANCEL_S
+        fenced: list[tuple[str, _Live]] = []
+        publishing: list[_Live] = []
         shards = list(live.items())
         for n, (handle, shard) in enumerate(shards):
-            key = shard.req.key
+            try:
+                won = decide(self.lake_uri, shard.req, GIVEN_UP)
+            except Exception as exc:  # the store away: these may still publish, and a rerun may add to them
+                keys = ", ".join(s.req.key for _, s in shards[n:])
+                self.log.warning("batch %s: could not fence shards %s (%s)", self.batch_id, keys, exc)
+                break
+            if won == PUBLISHED:
+                self.log.info("batch %s: shard %s claimed its rows: left to upload them", self.batch_id, shard.req.key)
+                publishing.append(shard)
+            else:
+                fenced.append((handle, shard))
+        for n, (handle, shard) in enumerate(fenced):
             try:
                 if self.clock() > deadline:
-                    raise TimeoutError(f"the cancel pass took over CANCEL_S={CANCEL_S:.0f}s")
-                if decide(self.lake_uri, shard.req, GIVEN_UP) == PUBLISHED:
-                    self.log.info("batch %s: shard %s claimed its rows: left to upload them", self.batch_id, key)
-                    continue
-                self.runner.cancel(handle, f"shard {key}: its run is stopping")
-            except Exception as exc:  # the run stops either way; what has no rows runs again under new ids
-                rest = [s.req.key for _, s in shards[n:]]
+                    raise TimeoutError(f"no cancel is started after CANCEL_S={CANCEL_S:.0f}s")
+                stopping = self.runner.cancel(handle, f"shard {shard.req.key}: its run is stopping")
+            except Exception as exc:  # the run stops either way; a fenced shard cannot publish
+                keys = ", ".join(s.req.key for _, s in fenced[n:])
                 self.log.warning(
-                    "batch %s: could not cancel shards %s (%s): they run to their end on their workers",
+                    "batch %s: could not cancel shards %s (%s): they run to their end on their workers, "
+                    "without publishing",
                     self.batch_id,
-                    ", ".join(rest),
+                    keys,
                     exc,
                 )
+                break
+            self.log.info(
+                "batch %s: shard %s %s", self.batch_id, shard.req.key, "cancelled" if stopping else "had ended"
+            )
+        self._await_rows(publishing, deadline)
+
+    def _await_rows(self, publishing: list[_Live], deadline: float) -> None:
+        waiting = list(publishing)
+        while waiting:
+            try:
+                rows = self._final_rows(include_infra=True)
+            except Exception as exc:
+                self.log.warning("batch %s: cannot read the shards' rows (%s)", self.batch_id, exc)
                 return
-            self.log.info("batch %s: shard %s cancelled", self.batch_id, key)
+            waiting = [s for s in waiting if not all(r in rows for r in s.req.rollout_ids.values())]
+            if not waiting:
+                return
+            if self.clock() > deadline:
+                self.log.warning(
+                    "batch %s: shards %s claimed their rows but have not uploaded them within CANCEL_S=%.0fs",
+                    self.batch_id,
+                    ", ".join(s.req.key for s in waiting),
+                    CANCEL_S,
+                )
+                return
+            self.sleep(min(self.poll_s, 0.5))
 
     def _heartbeat(self, req: ShardRequest) -> str:
         fs, path = objstore.filesystem(shard_state_path(self.lake_uri, req, ".json"))

@@ -23,7 +23,8 @@ def _query_int(query: dict[str, str], key: str, default: int, lo: int, hi: int) 
     raw = query.get(key)
     if raw is None:
         return default
-    value = int(raw) if raw.isascii() and raw.isdigit() else lo - 1  # plain digits: no sign, space or "1_0"
+    # plain digits, a few of them: no sign, space or "1_0", and no 5,000-digit number for int() to refuse
+    value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 6 else lo - 1
     if not lo <= value <= hi:
         raise RequestError(f"'{key}' must be an integer from {lo} to {hi}, got {raw!r}", param=key)
     return value

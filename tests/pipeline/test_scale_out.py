@@ -122,8 +122,9 @@ class ScriptedRunner:
     def give_up(self, handle: str, reason: str) -> None:
         self.given_up[handle] = reason
 
-    def cancel(self, handle: str, reason: str) -> None:
+    def cancel(self, handle: str, reason: str) -> bool:
         self.cancelled[handle] = reason
+        return True
 
 
 class Clock:
@@ -275,21 +276,25 @@ def test_a_watch_that_ends_early_fences_and_cancels_its_shards(tmp_path: Path, r
     assert shards.decide(runner.lake, fan.submitted[0], shards.PUBLISHED) == shards.GIVEN_UP
 
 
-def test_a_stopping_watch_leaves_a_publishing_shard_and_gives_up_on_an_api_away(tmp_path: Path) -> None:
-    """A shard that claimed its rows before the stop is left to upload them (not cancelled); when the API
-    refuses a cancel the pass stops there, naming the shards it left running, instead of waiting on each."""
+def test_a_stopping_watch_awaits_a_publishing_shard_and_fences_all_before_an_api_away(tmp_path: Path) -> None:
+    """A shard that claimed its rows before the stop is left to upload them, and awaited (so a rerun that
+    follows finds them); every other shard is fenced before any cancel is asked, so an API that refuses the
+    first cancel leaves none of them able to publish, and the pass stops there instead of waiting on each."""
     halt = threading.Event()
     runner = ScriptedRunner(_memory_lake(), stall={0, 1, 2})
     calls: list[str] = []
 
-    def api_away(handle: str, reason: str) -> None:
+    def api_away(handle: str, reason: str) -> bool:
         calls.append(handle)
         raise ConnectionError("the API is away")
 
     def stop(now: float) -> None:
-        if now >= 4:
+        if now >= 4 and not halt.is_set():
             shards.decide(runner.lake, runner.reqs["h0"], shards.PUBLISHED)  # shard 0 claims its rows first
             halt.set()
+        elif halt.is_set() and now >= 6:
+            runner.stall.discard(0)
+            runner.state("h0")  # ... and uploads them while the stopping watch waits
 
     runner.cancel = api_away  # type: ignore[method-assign]
     fan = _watch(tmp_path, _stall_cfg(groups=1, samples=6), runner, Clock(stop))
@@ -301,6 +306,31 @@ def test_a_stopping_watch_leaves_a_publishing_shard_and_gives_up_on_an_api_away(
     assert calls == ["h1"]  # h0 publishing: left alone; h1 refused: h2 not tried
     assert any("shard rollout-0.s0.a1 claimed its rows" in line for line in lines)
     assert any("could not cancel shards rollout-0.s1.a1, rollout-0.s2.a1" in line for line in lines), lines
+    assert not any("have not uploaded them" in line for line in lines), lines  # awaited until they came
+    assert all(rid in fan._final_rows() for rid in fan.submitted[0].rollout_ids.values())
+    for req in fan.submitted[1:]:  # fenced before the refused cancel: neither can publish
+        assert shards.decide(runner.lake, req, shards.PUBLISHED) == shards.GIVEN_UP
+
+
+def test_a_shard_whose_submission_failed_is_fenced(tmp_path: Path) -> None:
+    """The API created the shard's flow run but its answer was lost (a timeout): the watch fails, and the
+    shard, which may run all the same, cannot publish beside the rows of the retry that follows."""
+    runner = ScriptedRunner(_memory_lake(), stall=set())
+    submit = runner.submit
+
+    def lost_answer(req: shards.ShardRequest) -> str:
+        if req.index == 1:
+            submit(req)  # created on the server ...
+            raise TimeoutError("the API did not answer")  # ... and the answer lost
+        return submit(req)
+
+    runner.submit = lost_answer  # type: ignore[method-assign]
+    fan = _watch(tmp_path, _stall_cfg(groups=1, samples=4), runner, Clock())
+    with pytest.raises(TimeoutError):
+        fan.run()
+    assert [r.key for r in fan.submitted] == ["rollout-0.s0.a1"]
+    (lost,) = [r for r in runner.reqs.values() if r.index == 1]
+    assert shards.decide(runner.lake, lost, shards.PUBLISHED) == shards.GIVEN_UP
 
 
 class _Lines:

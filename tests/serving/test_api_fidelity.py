@@ -306,7 +306,7 @@ def test_a_stored_responses_input_items_are_paged_as_openai_pages_them(server: A
     ascending = httpx.get(url, params={"order": "asc"}, timeout=10).json()["data"]
     assert [i["content"][0]["text"] for i in ascending] == [f"turn {i}" for i in range(5)]
     for bad, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"limit": "1_0"}, "limit"),
-                       ({"limit": " 5"}, "limit"), ({"order": "up"}, "order"),
+                       ({"limit": " 5"}, "limit"), ({"limit": "9" * 5000}, "limit"), ({"order": "up"}, "order"),
                        ({"after": "msg_nope"}, "after")):  # fmt: skip
         r = httpx.get(url, params=bad, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
