@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from clawpipe.net import free_port
-from tests.support.prefect_server import server_env, start_server, wait_until_healthy
+from tests.support.prefect_server import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +56,7 @@ print(json.dumps(out))
 def test_a_stopping_run_cancels_shards_by_proposal_and_never_over_an_end(tmp_path: Path) -> None:
     # before: the cancel was forced, so a shard that completed between the read and the write was moved
     # back to Cancelling (and its worker, seeing it Cancelling, had nothing to stop: it stayed there)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = server_env(tmp_path, api)
-    server = start_server(port, env, tmp_path / "server.log")
-    try:
-        wait_until_healthy(api, server, tmp_path / "server.log")
+    with running_server(tmp_path) as (_api, env):
         done = subprocess.run(
             [sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
         )
@@ -73,6 +67,3 @@ def test_a_stopping_run_cancels_shards_by_proposal_and_never_over_an_end(tmp_pat
         assert states["completed"][::2] == ["COMPLETED", False]
         # refused by the server, not forced over, and told as ended (before: forced back to Cancelling)
         assert states["completed_meanwhile"][::2] == ["COMPLETED", False]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -53,3 +54,24 @@ def wait_until_healthy(api: str, server: subprocess.Popen[bytes], log: Path, tim
         assert server.poll() is None, log.read_text()[-3000:]
         time.sleep(0.5)
     raise AssertionError(f"prefect server did not answer: {log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def running_server(root: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A Prefect server of its own under ``root`` for the block: (its API URL, the environment to use it)."""
+    from clawpipe.net import free_port
+
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = server_env(root, api)
+    server = start_server(port, env, root / "server.log")
+    try:
+        wait_until_healthy(api, server, root / "server.log")
+        yield api, env
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
