@@ -124,6 +124,35 @@ def test_deploy_and_worker_without_a_prefect_server_refuse_at_once(tmp_path: Pat
     assert time.monotonic() - start < 30
 
 
+POOL_CONFIG = """
+groups = 1
+samples = 2
+backend = "process"
+rollout_pool = "rollouts"
+[[harnesses]]
+name = "chat-loop"
+task_set = "guess"
+"""
+
+
+@pytest.mark.parametrize("missing", ["lake", "prefect"])
+def test_a_run_on_a_rollout_pool_refuses_at_once_without_a_shared_lake_or_prefect_server(
+    tmp_path: Path, missing: str
+) -> None:
+    # before: checked only in the first rollout batch, after the policy, engine, proxy and MLflow run had
+    # started, and again through the batch's two retries
+    cfg = tmp_path / "pool.toml"
+    cfg.write_text(POOL_CONFIG)
+    env = {} if missing == "lake" else {"CLAWPIPE_LAKE_URI": "s3://bucket/lake"}
+    out = _cli(["run", "--config", str(cfg)], tmp_path / "home", **env)
+    if missing == "lake":
+        _one_line_refusal(out, "rollout_pool needs the lake on an object store", "CLAWPIPE_LAKE_URI")
+    else:
+        line = _one_line_refusal(out, "clawpipe run with rollout_pool = 'rollouts' needs a running Prefect server")
+        assert "set PREFECT_API_URL" in line and "--api-url" not in line  # run has no such flag
+    assert not (tmp_path / "home" / "runs").exists()
+
+
 @pytest.mark.parametrize(
     "command", [["run", "--backend", "process"], ["deploy", "--api-url", "{api}"], ["worker", "--api-url", "{api}"]]
 )
@@ -276,6 +305,19 @@ def test_serving_a_model_id_that_is_not_cached_fails_at_once(tmp_path: Path) -> 
     assert "error: cannot load a tokenizer from no-such-org/no-such-model" in out.stderr
     assert "Retrying" not in out.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("lake", ["home", "file"])
+def test_sql_without_a_lake_names_where_it_looked_not_a_flag_never_given(tmp_path: Path, lake: str) -> None:
+    # before: "Invalid value: --lake ...: no lake there", in a boxed panel, for a --lake nobody passed
+    env = {}
+    if lake == "file":
+        (tmp_path / "afile").write_text("x\n")
+        env["CLAWPIPE_LAKE_URI"] = str(tmp_path / "afile")
+    out = _cli(["sql", "select 1"], tmp_path / "home", **env)
+    line = _one_line_refusal(out, "no lake at ", "clawpipe land", "--lake FOLDER", "CLAWPIPE_LAKE_URI")
+    assert ("a file, not a folder" if lake == "file" else "no such folder") in line
+    assert "Invalid value" not in out.stderr
 
 
 @pytest.mark.parametrize("command", [["lake", "check"], ["lake", "compact"]], ids=" ".join)

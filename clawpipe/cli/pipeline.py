@@ -55,6 +55,7 @@ def run(
     if summary_out is not None:
         _check_summary_out(summary_out)
         cmd += ["--summary-out", str(summary_out)]
+    pool = None
     if resume:
         _check_resume(resume, get_settings().runs_dir, config=config, iterations=iterations, backend=backend, mode=mode)
     else:  # validated once here, before anything starts; the flow reads the same model back
@@ -62,9 +63,14 @@ def run(
         check_prerequisites(cfg)
         _check_policy(cfg.policy)
         _warn_changed_since_recorded(config, cfg)
+        pool = cfg.rollout_pool
+        if pool:  # its shards land in a lake every host shares
+            from clawpipe.pipeline.shards import lake_uri_of
+
+            lake_uri_of(get_settings())
     # the services the flow reports to, now rather than after its policy is built and its rollouts ran
     env = _flows_env()
-    _check_prefect_api(env, needed_by=None)
+    _check_prefect_api(env, needed_by=f"run with rollout_pool = {pool!r}" if pool else None)
     check_tracking_uri(get_settings().tracking_uri)
     if resume:
         cmd += ["--run-id", resume, "--resume"]
@@ -114,9 +120,10 @@ def _check_prefect_api(env: dict[str, str], *, needed_by: str | None) -> None:
     if not url:
         if needed_by is None:
             return  # clawpipe run starts a temporary server of its own
+        pass_it = "" if needed_by.startswith("run") else "pass --api-url http://127.0.0.1:4200/api or "
         raise ConfigError(
             f"clawpipe {needed_by} needs a running Prefect server: {start}, "
-            "then pass --api-url http://127.0.0.1:4200/api or set PREFECT_API_URL"
+            f"then {pass_it}set PREFECT_API_URL (http://127.0.0.1:4200/api)"
         )
     fallback = "" if needed_by else ", or unset PREFECT_API_URL to run on a temporary server"
     reason = health_failure(url, timeout_s=10)
