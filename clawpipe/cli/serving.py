@@ -115,7 +115,7 @@ def serve(
     tool_parser: str = typer.Option("hermes", "--tool-parser", help="vLLM tool-call parser."),
     dry_run: bool = typer.Option(False, "--dry-run", help="vllm: print the command instead of running it."),
 ) -> None:
-    """Serve a policy over the OpenAI and Anthropic APIs, with token ids and logprobs on every response."""
+    """Serve a policy over the OpenAI and Anthropic APIs, with token ids and logprobs where a request asks."""
     if engine == "vllm":
         from clawpipe.serving.vllm import VllmOptions, build_vllm_command, start_vllm
 
@@ -138,6 +138,7 @@ def serve(
     from clawpipe.config import prepare_environment
 
     prepare_environment()  # offline: a model id that is not cached fails at once instead of retrying downloads
+    _check_model_folder(model)
     from clawpipe.serving.server import run_server
 
     run_server(
@@ -159,6 +160,21 @@ def serve(
         responses_kept_mb=responses_kept_mb,
         reload_roots=list(reload_root) or None,
         splice=splice,
+    )
+
+
+def _check_model_folder(model: str) -> None:
+    """A ``--model`` written as a path (absolute, relative with ./ or ../, ~, or more than one /) must be a
+    folder: otherwise the loader takes it for a Hugging Face id and refuses it as one."""
+    from clawpipe.errors import ConfigError
+
+    path = Path(model).expanduser()
+    if path.is_dir() or not (model.startswith(("/", ".", "~")) or model.count("/") > 1):
+        return
+    what = "a file, not a folder" if path.exists() else "no such folder"
+    raise ConfigError(
+        f"--model {model}: {what}; give a saved transformers model folder (one holding config.json), e.g. one "
+        "built by `clawpipe model init`"
     )
 
 

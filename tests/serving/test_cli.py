@@ -29,6 +29,28 @@ def test_serve_vllm_dry_run_prints_the_command() -> None:
     assert "--port 9001" in result.output and "--tool-call-parser hermes" in result.output
 
 
+@pytest.mark.parametrize("given", ["{tmp}/nowhere/policy", "./no-such-policy", "{tmp}/a-file"])
+def test_serve_a_model_path_that_is_no_folder_is_one_line_naming_it(tmp_path: Path, given: str) -> None:
+    # before: the loader took the path for a Hugging Face id: "Repo id must be in the form 'repo_name' ..."
+    import subprocess
+    import sys
+
+    (tmp_path / "a-file").write_text("not a model\n")
+    model = given.format(tmp=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "clawpipe", "serve", "--model", model, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CLAWPIPE_HOME": str(tmp_path / "home")},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert line.startswith(f"error: --model {model}: ") and "Repo id" not in out.stderr
+    assert ("a file, not a folder" if model.endswith("a-file") else "no such folder") in line
+    assert "clawpipe model init" in line
+
+
 @pytest.mark.slow
 def test_serve_subprocess_answers_and_stops(policy_dir: Path) -> None:
     handle = start_server_process(policy_dir, served_name="sub", max_model_len=2048, admin_token="t")
