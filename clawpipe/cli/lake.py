@@ -86,16 +86,25 @@ def _flatten_nested(table: Any) -> Any:
     return pa.table(cols, names=table.column_names)
 
 
-def _check_lake(lake_root: str) -> None:
-    """A local lake folder must exist: a mistyped --lake would otherwise answer every query with no rows."""
+def _check_lake(lake: str | None) -> None:
+    """A local lake folder must exist: a mistyped lake would otherwise answer every query with no rows.
+    ``lake``: the ``--lake`` given, or None for the home's lake (the message then names where it comes from)."""
+    from clawpipe.errors import ConfigError
     from clawpipe.tables import LakeFS
 
-    lake = LakeFS(lake_root)
-    if lake.is_local and not Path(lake.root).is_dir():
+    fs = LakeFS(_lake_root(lake))
+    if not fs.is_local or Path(fs.root).is_dir():
+        return
+    what = "a file, not a folder" if Path(fs.root).exists() else "no such folder"
+    if lake is not None:
         raise typer.BadParameter(
-            f"--lake {lake_root}: no lake there (no folder {lake.root}); land captures first (clawpipe land) "
+            f"--lake {lake}: no lake there ({fs.root}: {what}); land captures first (clawpipe land) "
             "or give the lake's folder"
         )
+    raise ConfigError(
+        f"no lake at {fs.root} ({what}), the lake of this home (CLAWPIPE_LAKE_URI, else CLAWPIPE_HOME's lake/): "
+        "land captures first (clawpipe land), or give --lake FOLDER"
+    )
 
 
 def _check_out(out: Path, lake_root: str) -> None:
@@ -280,7 +289,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("give a QUERY or --saved NAME (one of them)")
         if fmt == "parquet" and out is None:
             raise typer.BadParameter("--format parquet needs --out FILE")
-        _check_lake(_lake_root(lake))
+        _check_lake(lake)
         if out is not None:
             _check_out(out, _lake_root(lake))
         if query == "-":

@@ -58,7 +58,20 @@ def register(app: typer.Typer) -> None:
         from clawpipe.config import get_settings
         from clawpipe.proxy import ProxyConfig, run_proxy
 
-        for flag, value in (("--segment-mb", segment_mb), ("--segment-age", segment_age)):
+        numbers = {
+            "--max-body-mb": max_body_mb,
+            "--max-buffered-mb": max_buffered_mb,
+            "--max-response-mb": max_response_mb,
+            "--max-connections": max_connections,
+            "--max-upstream-conns": max_upstream_conns,
+            "--header-timeout": header_timeout,
+            "--idle-timeout": idle_timeout,
+            "--upstream-timeout": upstream_timeout,
+            "--replica-backoff": replica_backoff,
+            "--segment-mb": segment_mb,
+            "--segment-age": segment_age,
+        }
+        for flag, value in numbers.items():  # named by flag here (the settings' own check names their fields)
             if not value > 0 or value == float("inf"):  # NaN fails `> 0` too
                 raise typer.BadParameter(f"{flag} {value}: give a finite number above 0")
         settings = get_settings()

@@ -50,6 +50,13 @@ def list_trees(
     params = {"run_id": run, "iteration": -1 if iteration is None else iteration, "scope": scope}
     rel = con.sql(sql_text("trees/list"), params=params)
     rows = rel.fetchall()
+    if not rows:
+        runs = [r[0] for r in con.sql(sql_text("trees/runs")).fetchall()]
+        if run not in runs:  # a mistyped id would otherwise list nothing and succeed
+            from clawpipe.errors import ConfigError
+
+            shown = ", ".join(runs[-10:]) if runs else "none (land and build trees first: clawpipe run)"
+            raise ConfigError(f"--run {run}: no trees of that run in this lake; runs with trees: {shown}")
     typer.echo("\t".join(rel.columns))
     for row in rows:
         typer.echo("\t".join("" if v is None else str(v) for v in row))

@@ -31,6 +31,10 @@ def _flat(text: str) -> str:
         (["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--segment-mb", "-1"], "--segment-mb"),
         (["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--segment-age", "nan"], "--segment-age"),
         (["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--segment-age", "0"], "--segment-age"),
+        # the proxy's limits were named by their settings' fields ("proxy settings ['max_body_bytes'] ...")
+        (["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--max-body-mb", "-1"], "--max-body-mb"),
+        (["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--max-connections", "0"], "--max-connections"),
+        (["proxy", "--upstream", "http://127.0.0.1:9", "--port", "0", "--upstream-timeout", "0"], "--upstream-timeout"),
     ],
 )
 def test_servers_refuse_out_of_range_numbers_before_binding(tmp_path: Path, args: list[str], flag: str) -> None:

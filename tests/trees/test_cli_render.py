@@ -56,6 +56,14 @@ def test_build_then_show_text_and_html(lake: Path, tmp_path: Path) -> None:
     lines = res.output.splitlines()
     assert lines[0].startswith("iteration\ttree_id") and len(lines) == 2 and "\tgroup:g\t" in lines[1]
 
+    # a run with trees but none in the iteration asked: the header alone; a run id with none: said, naming R
+    res = runner.invoke(app, ["trees", "list", "--run", "R", "--lake", str(lake), "--iteration", "5"])
+    assert res.exit_code == 0 and res.output.splitlines() == [lines[0]], res.output
+    res = runner.invoke(app, ["trees", "list", "--run", "Rx", "--lake", str(lake)])
+    assert res.exit_code != 0 and "--run Rx: no trees of that run in this lake; runs with trees: R" in str(
+        res.exception
+    )
+
     res = runner.invoke(app, ["trees", "show", "group:g", "--lake", str(lake)])
     assert res.exit_code == 0, res.output
     text = res.output
