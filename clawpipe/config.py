@@ -1,6 +1,8 @@
-"""The one reader of the environment.
+"""The environment, declared and checked in one place.
 
-Every environment variable clawpipe honours is a field of :class:`Settings` (prefix ``CLAWPIPE_``).
+Every environment variable clawpipe honours is a field of :class:`Settings` (prefix ``CLAWPIPE_``); a few
+are read again where they are used (the lake's lease, the object store, capture upload, the train step),
+and are fields here all the same so that a bad value is refused, naming it, when a command starts.
 :func:`prepare_environment` also sets the offline-safe Prefect and MLflow variables measured in
 docs/ARCHITECTURE.md (pitfalls), and must run before either library is imported (the CLI and flows call it first).
 """
@@ -9,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import secrets
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -90,6 +94,38 @@ class Settings(BaseSettings):
         description="Directories the serving engine's /admin/reload may load from (os.pathsep-separated, '*' "
         "matches one folder); default <home>/models and <home>/runs/*/checkpoints.",
     )
+    # read where they are used (the lake's lease, the train step, the object store, capture upload); declared
+    # here so that a bad value is refused, naming the variable, when a command starts
+    lake_lease_ttl: float = Field(
+        default=60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a lake writer's lease lives unrenewed: how long a dead writer blocks the lake "
+        "(at least 1).",
+    )
+    train_process: Literal["", "step"] = Field(
+        default="", description="'step': launch a `clawpipe train` process per training step."
+    )
+    host_id: str | None = Field(
+        default=None,
+        description="This capture host's name in the object store (letters, digits, '.', '_', '-'); default the "
+        "hostname and a hash of the capture folder.",
+    )
+    capture_upload: Literal["", "0", "1"] = Field(
+        default="", description="'0': never upload captures, even with an object-store lake."
+    )
+    capture_cache: Path | None = Field(
+        default=None,
+        description="Folder of the local mirrors of object-store capture prefixes; default the temp folder.",
+    )
+
+    @field_validator("host_id")
+    @classmethod
+    def _host_id_is_a_name(cls, value: str | None) -> str | None:
+        # a path component of the object store's keys: "/" or ".." would lead under another prefix
+        if value is not None and (value in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", value)):
+            raise ValueError(f"use 1-128 letters, digits, '.', '_' or '-' (got {value!r})")
+        return value
 
     @field_validator("home")
     @classmethod

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
 import socket
 import uuid
 from pathlib import Path
@@ -115,7 +116,9 @@ def host_id(capture_dir: str | os.PathLike[str]) -> str:
     """A stable name for this capture host: ``CLAWPIPE_HOST_ID``, else hostname + a hash of the folder
     (two homes on one machine are two hosts)."""
     explicit = os.environ.get(HOST_ENV, "").strip()
-    if explicit:
+    if explicit:  # a path component of the store's keys: no "/" or ".." may lead elsewhere
+        if explicit in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", explicit):
+            raise ValueError(f"{HOST_ENV}={explicit!r}: use 1-128 letters, digits, '.', '_' or '-'")
         return explicit
     digest = hashlib.sha1(str(Path(capture_dir).resolve()).encode()).hexdigest()[:8]
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname()) or "host"

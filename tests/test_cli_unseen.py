@@ -100,6 +100,11 @@ def test_a_subcommand_missing_its_arguments_says_which(command: list[str], home:
         ("CLAWPIPE_HOST_SLOTS", "0", ["CLAWPIPE_HOST_SLOTS", "greater than or equal to 1", "got '0'"]),
         ("CLAWPIPE_SANDBOX_UID_COUNT", "many", ["CLAWPIPE_SANDBOX_UID_COUNT", "got 'many'"]),
         ("CLAWPIPE_HOME", "<file>", ["CLAWPIPE_HOME", "is a file, not a folder"]),
+        # read where they are used; a bad value was taken as the default without a word (or a path component)
+        ("CLAWPIPE_LAKE_LEASE_TTL", "abc", ["CLAWPIPE_LAKE_LEASE_TTL", "got 'abc'"]),
+        ("CLAWPIPE_TRAIN_PROCESS", "bogus", ["CLAWPIPE_TRAIN_PROCESS", "'step'", "got 'bogus'"]),
+        ("CLAWPIPE_HOST_ID", "../other", ["CLAWPIPE_HOST_ID", "got '../other'"]),
+        ("CLAWPIPE_CAPTURE_UPLOAD", "no", ["CLAWPIPE_CAPTURE_UPLOAD", "got 'no'"]),
     ],
 )
 def test_a_bad_environment_value_is_one_line_naming_the_variable(

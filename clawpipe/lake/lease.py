@@ -37,10 +37,14 @@ TTL_ENV = "CLAWPIPE_LAKE_LEASE_TTL"  # seconds; how long a dead writer blocks th
 
 
 def default_ttl() -> float:
+    raw = os.environ.get(TTL_ENV) or "60"
     try:
-        return max(1.0, float(os.environ.get(TTL_ENV) or 60.0))
+        ttl = float(raw)
     except ValueError:
-        return 60.0
+        ttl = float("nan")
+    if not 0 < ttl < float("inf"):  # was taken as 60 s without a word
+        raise LakeError(f"{TTL_ENV}={raw!r}: give the lease's time to live in seconds, a number above 0")
+    return max(1.0, ttl)
 
 
 class Lease:
