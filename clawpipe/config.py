@@ -16,7 +16,7 @@ import secrets
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawpipe.errors import ConfigError
@@ -119,10 +119,20 @@ class Settings(BaseSettings):
         description="Folder of the local mirrors of object-store capture prefixes; default the temp folder.",
     )
 
+    @field_validator("host_id", "lake_lease_ttl", "capture_cache", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object, info: ValidationInfo) -> object:
+        # where these are used an empty value means unset (the default), as it does here
+        if isinstance(value, str) and not value.strip():
+            return cls.model_fields[str(info.field_name)].default
+        return value
+
     @field_validator("host_id")
     @classmethod
     def _host_id_is_a_name(cls, value: str | None) -> str | None:
         # a path component of the object store's keys: "/" or ".." would lead under another prefix
+        if value is not None:
+            value = value.strip()
         if value is not None and (value in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", value)):
             raise ValueError(f"use 1-128 letters, digits, '.', '_' or '-' (got {value!r})")
         return value
