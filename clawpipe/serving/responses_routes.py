@@ -108,8 +108,16 @@ class ResponsesRoutes(Routes):
             code="response_not_found",
         )
 
-    def stored_response(self, response_id: str) -> dict[str, Any]:
-        """``GET /v1/responses/{id}``: the response as it was answered (without the per-token fields)."""
+    def stored_response(self, response_id: str, query: dict[str, str] | None = None) -> dict[str, Any]:
+        """``GET /v1/responses/{id}``: the response as it was answered (without the per-token fields). Its
+        events are not kept, so ``stream=true`` (which would replay them) is a 400, not a JSON body a streaming
+        client reads as no events at all."""
+        if (query or {}).get("stream", "false").lower() not in ("false", "0", ""):
+            raise RequestError(
+                "'stream' is not supported when reading a stored response: its events are not kept; "
+                "read it without stream",
+                param="stream",
+            )
         found = self.responses_store.response(response_id)
         if found is None:
             raise self._not_kept(response_id)

@@ -124,7 +124,11 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
 
     app.add_api_route("/v1/models/{model:path}", read(one_model), methods=["GET"])
     stored = "/v1/responses/{response_id}"
-    app.add_api_route(stored, read(lambda r: routes.stored_response(r.path_params["response_id"])), methods=["GET"])
+    app.add_api_route(
+        stored,
+        read(lambda r: routes.stored_response(r.path_params["response_id"], dict(r.query_params))),
+        methods=["GET"],
+    )
     app.add_api_route(stored, read(lambda r: routes.deleted_response(r.path_params["response_id"])), methods=["DELETE"])
     app.add_api_route(
         stored + "/input_items",

@@ -183,6 +183,9 @@ def test_openai_stored_responses_are_read_back_listed_and_deleted(route: Route, 
     assert [(i.type, getattr(i, "call_id", None)) for i in own] == [("function_call_output", call.call_id)]
     (message,) = client.responses.input_items.list(first.id, order="asc").data
     assert message.type == "message" and message.id and message.content[0].text == USER  # type: ignore[union-attr]
+    # before: a 200 with the JSON body, which the SDK's stream read as no events at all
+    with pytest.raises(openai.BadRequestError, match="'stream' is not supported when reading a stored response"):
+        client.responses.retrieve(first.id, stream=True)
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("no-such-model")
@@ -210,6 +213,7 @@ def test_openai_stored_responses_are_read_back_listed_and_deleted(route: Route, 
         read,
         read,
         read,
+        ("responses_read", "http_error", 400, "none"),  # stream=true
         ("models", "ok", 200, "none"),
         ("models", "http_error", 404, "none"),
         ("responses_delete", "ok", 200, "none"),

@@ -469,3 +469,14 @@ def test_views_have_schema_types(lake: Path) -> None:
     types = dict(con.sql("select column_name, column_type from (describe model_calls)").fetchall())
     assert types["iteration"] == "INTEGER" and types["prompt_token_ids"] == "INTEGER[]"
     assert types["completion_logprobs"] == "FLOAT[]" and types["t_start"] == "TIMESTAMP WITH TIME ZONE"
+
+
+def test_a_missing_table_is_answered_with_the_lakes_tables_and_install_is_named(lake: Path) -> None:
+    # before: DuckDB's own suggestion ('Did you mean "pg_sequences"?') and "LOAD statements are refused"
+    with pytest.raises(LakeError) as info:
+        run_sql(lake, "select * from rollout")
+    message = str(info.value)
+    assert "Table with name rollout does not exist; the lake's tables: model_calls, rejects, rollouts" in message
+    assert "pg_" not in message and "_empty" not in message
+    with pytest.raises(LakeError, match="INSTALL and LOAD statements are refused; use SELECT"):
+        run_sql(lake, "INSTALL httpfs")
