@@ -39,7 +39,9 @@ def read_values(path: str | Path, *, what: str, table: str | None = None) -> dic
         data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         kind = "JSON" if p.suffix == ".json" else "TOML"
-        raise ConfigError(f"{what} {p} is not valid {kind}: {exc}") from None
+        where = f" (the file ends at line {text.count(chr(10)) + 1}: a value or bracket is left open)"
+        end = "end of document" in str(exc)  # tomllib gives no line there
+        raise ConfigError(f"{what} {p} is not valid {kind}: {exc}{where if end else ''}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {p} must hold a table of settings, not {type(data).__name__}")
     if table is not None and isinstance(data.get(table), dict):
@@ -47,9 +49,15 @@ def read_values(path: str | Path, *, what: str, table: str | None = None) -> dic
     return dict(data)
 
 
-def describe(exc: ValidationError, what: str, cls: type[BaseModel] | None = None) -> str:
+def describe(
+    exc: ValidationError,
+    what: str,
+    cls: type[BaseModel] | None = None,
+    tables: dict[str, type[BaseModel]] | None = None,
+) -> str:
     """A one-line message naming each invalid field, the value given and why; an unknown key is listed with
-    the keys its table takes (found through ``cls``, the model validated)."""
+    the keys its table takes (found through ``cls``, the model validated), and with a key of a table below
+    it that it is close to (``tables``: models of top-level tables validated apart, e.g. ``train``)."""
     parts = []
     for err in exc.errors():
         loc = err["loc"]
@@ -58,6 +66,8 @@ def describe(exc: ValidationError, what: str, cls: type[BaseModel] | None = None
         if err["type"] == "extra_forbidden":
             known = _keys_at(cls, loc[:-1]) if cls is not None else []
             close = difflib.get_close_matches(str(loc[-1]), known, n=1) if loc else []
+            if not close and cls is not None and loc:  # a key of a table below, written at this level
+                close = _nested_matches(cls, loc[:-1], str(loc[-1]), tables if len(loc) == 1 else None)
             msg = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
             msg += f"; the keys here are {', '.join(known)}" if known else "; check its spelling"
         elif err["type"] != "value_error" and not isinstance(err.get("input"), dict | list):
@@ -85,16 +95,27 @@ def _keys_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     return sorted(model.model_fields) if _is_model(model) else []
 
 
+def _nested_matches(
+    cls: type[BaseModel], loc: tuple[int | str, ...], key: str, tables: dict[str, type[BaseModel]] | None
+) -> list[str]:
+    """``table.key`` names close to ``key`` among the keys of the tables one level below ``loc``."""
+    found = []
+    for table in _keys_at(cls, loc):
+        inner = sorted((tables or {})[table].model_fields) if table in (tables or {}) else _keys_at(cls, (*loc, table))
+        found += [f"{table}.{k}, in the {table} table" for k in difflib.get_close_matches(key, inner, n=1)]
+    return found[:1]
+
+
 def _is_model(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
-def validate(cls: type[M], values: dict[str, Any], *, what: str) -> M:
-    """``cls`` built from ``values``; a ConfigError naming each bad field otherwise."""
+def validate(cls: type[M], values: dict[str, Any], *, what: str, tables: dict[str, type[BaseModel]] | None = None) -> M:
+    """``cls`` built from ``values``; a ConfigError naming each bad field otherwise (see :func:`describe`)."""
     try:
         return cls.model_validate(values)
     except ValidationError as exc:
-        raise ConfigError(describe(exc, what, cls)) from None
+        raise ConfigError(describe(exc, what, cls, tables)) from None
 
 
 def write_config(model: BaseModel, path: str | Path) -> Path:

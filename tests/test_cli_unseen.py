@@ -241,6 +241,9 @@ def test_a_config_path_with_spaces_and_non_ascii_is_read_and_named(tmp_path: Pat
         ("[train]\nlearning_rat = 0.1\n", "learning_rat: unknown key (did you mean learning_rate?)"),
         ("grups = 4\n", "grups: unknown key (did you mean groups?)"),
         ('[[harnesses]]\nname = "chat-loop"\ntask_sett = "guess"\n', "task_sett: unknown key (did you mean task_set?)"),
+        # a trainer key written at the top level: it had no hint at all
+        ("learning_rat = 0.1\n", "learning_rat: unknown key (did you mean train.learning_rate, in the train table?)"),
+        ("epochs = 2\n", "epochs: unknown key (did you mean train.epochs, in the train table?)"),
     ],
 )
 def test_a_misspelt_key_names_its_close_match(tmp_path: Path, toml: str, wanted: str) -> None:
@@ -264,7 +267,10 @@ def test_a_yaml_config_is_named_as_yaml_not_as_broken_toml(tmp_path: Path, suffi
 @pytest.mark.parametrize(
     ("toml", "wanted"),
     [
-        ("groups = 2\nsamples = [\n", "(at end of document)"),
+        (
+            "groups = 2\nsamples = [\n",
+            "(at end of document) (the file ends at line 3: a value or bracket is left open)",
+        ),
         ("groups = 2\ngroups = 3\n", "(at line 2, column"),
         ("iterations = 1\n[train\nepochs = 1\n", "(at line 2, column"),
     ],

@@ -236,8 +236,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> PipelineCon
         del data[RECORDED_TABLE]
     source = str(path) if path is not None else "defaults"
     data.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = validate(PipelineConfig, data, what=f"pipeline config ({source})")
     from clawpipe.train.config import TrainConfig
+
+    cfg = validate(PipelineConfig, data, what=f"pipeline config ({source})", tables={"train": TrainConfig})
 
     try:
         cfg.train_config()

@@ -6,6 +6,7 @@ field and what is allowed. The manifest format is contract C in docs/ARCHITECTUR
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -125,11 +126,21 @@ def _expect(path: Path, table: Mapping[str, Any], key: str, kind: type | tuple[t
     return value
 
 
+def _check_keys(path: Path, table: str, data: Mapping[str, Any], allowed: frozenset[str] | set[str]) -> None:
+    """Refuse keys ``table`` does not take, each with its closest allowed key when one is close."""
+    unknown = sorted(set(data) - set(allowed))
+    if not unknown:
+        return
+    hints = [
+        f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, sorted(allowed), n=1)) else k
+        for k in unknown
+    ]
+    raise _fail(path, f"unknown {table}key(s) {', '.join(hints)}; allowed: {', '.join(sorted(allowed))}")
+
+
 def parse_manifest(data: Mapping[str, Any], path: Path) -> HarnessManifest:
     """Validate a parsed harness.toml (``path`` is the manifest file, for messages and the harness dir)."""
-    unknown = set(data) - _TOP_KEYS
-    if unknown:
-        raise _fail(path, f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    _check_keys(path, "", data, _TOP_KEYS)
     for key in ("name", "command"):
         if key not in data:
             raise _fail(path, f"missing required key `{key}`")
@@ -171,8 +182,7 @@ def parse_manifest(data: Mapping[str, Any], path: Path) -> HarnessManifest:
     training = data.get("training", {})
     if not isinstance(training, dict):
         raise _fail(path, "[training] must be a table")
-    if set(training) - _TRAINING_KEYS:
-        raise _fail(path, f"unknown [training] key(s) {sorted(set(training) - _TRAINING_KEYS)}")
+    _check_keys(path, "[training] ", training, _TRAINING_KEYS)
     exclude = training.get("exclude_side_calls", False)
     if not isinstance(exclude, bool):
         raise _fail(path, "`training.exclude_side_calls` must be true or false")
@@ -203,11 +213,7 @@ def parse_manifest(data: Mapping[str, Any], path: Path) -> HarnessManifest:
 def _parse_resources(path: Path, res: Any) -> Limits:
     if not isinstance(res, dict):
         raise _fail(path, "[resources] must be a table with memory_mb, cpus, pids, disk_mb")
-    if set(res) - _RESOURCE_KEYS:
-        raise _fail(
-            path,
-            f"unknown [resources] key(s) {sorted(set(res) - _RESOURCE_KEYS)}; allowed: memory_mb, cpus, pids, disk_mb",
-        )
+    _check_keys(path, "[resources] ", res, _RESOURCE_KEYS)
     d = Limits()
     memory_mb = res.get("memory_mb", d.memory_mb)
     cpus = res.get("cpus", d.cpus)
@@ -228,8 +234,7 @@ def _parse_sandbox(path: Path, table: Any) -> tuple[Path, ...]:
     """[sandbox] ro_paths: absolute, or relative to the folder holding harnesses/ (the repository root)."""
     if not isinstance(table, dict):
         raise _fail(path, "[sandbox] must be a table")
-    if set(table) - _SANDBOX_KEYS:
-        raise _fail(path, f"unknown [sandbox] key(s) {sorted(set(table) - _SANDBOX_KEYS)}; allowed: ro_paths")
+    _check_keys(path, "[sandbox] ", table, _SANDBOX_KEYS)
     ro = table.get("ro_paths", [])
     if not isinstance(ro, list) or not all(isinstance(x, str) and x for x in ro):
         raise _fail(path, "`sandbox.ro_paths` must be a list of paths")
