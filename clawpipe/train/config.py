@@ -243,13 +243,14 @@ class TrainConfig(BaseModel):
         return out
 
 
-def make_config(**values: Any) -> TrainConfig:
-    """Build a config, turning validation errors into a ConfigError that names each field."""
-    return validate(TrainConfig, values, what=f"training config (fields: {', '.join(TrainConfig.model_fields)})")
+def make_config(_source: str = "", **values: Any) -> TrainConfig:
+    """Build a config, turning validation errors into a ConfigError that names each field (an unknown key
+    with the keys the config takes) and ``_source``, where the values came from."""
+    return validate(TrainConfig, values, what=f"training config ({_source})" if _source else "training config")
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """Read a TOML or JSON file (top-level keys or a [train] table), apply overrides, validate."""
     values = read_values(path, what="training config", table="train") if path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return make_config(**values)
+    return make_config(str(path) if path is not None else "", **values)

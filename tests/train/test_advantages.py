@@ -171,4 +171,11 @@ def test_config_errors_say_what_to_change(tmp_path):
     assert cfg.flat_params()["harness_weights.chat-loop"] == "2.0"
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+    # a typo names the file and the close key, once (before: every field listed before and after it, no file)
+    p.write_text("[train]\nlearning_rat = 3e-4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    message = str(info.value)
+    assert message.startswith(f"invalid training config ({p}): learning_rat: unknown key (did you mean learning_rate?)")
+    assert message.count("max_grad_norm") == 1
     assert all(f.description for f in type(cfg).model_fields.values())  # help text for every field
