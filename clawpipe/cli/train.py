@@ -7,6 +7,7 @@ which runs N ranks of this same command (clawpipe.train.launch); a rank sees WOR
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,14 @@ def train(
 
         shutdown()
         if rank != 0:
-            return
+            # nothing left to do: leave without the interpreter's teardown of torch's C++ state, which can
+            # abort a rank after a clean step (SIGABRT at exit, and the launcher fails the step)
+            import logging
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     m = result.metrics
     if metrics_out is not None:
         import json

@@ -79,7 +79,10 @@ def init_from_env(device: str = "auto") -> DistContext | None:
 
 
 def shutdown() -> None:
+    """Leave the process group once every rank is done with it (a rank tearing down gloo while another still
+    talks to it can abort the process: "terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
