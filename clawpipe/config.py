@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import secrets
 from pathlib import Path
 from typing import Literal
@@ -130,11 +129,12 @@ class Settings(BaseSettings):
     @field_validator("host_id")
     @classmethod
     def _host_id_is_a_name(cls, value: str | None) -> str | None:
-        # a path component of the object store's keys: "/" or ".." would lead under another prefix
+        from clawpipe.objstore import HOST_ID_RULE, valid_host_id  # the store's own rule for its key component
+
         if value is not None:
             value = value.strip()
-        if value is not None and (value in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", value)):
-            raise ValueError(f"use 1-128 letters, digits, '.', '_' or '-' (got {value!r})")
+            if not valid_host_id(value):
+                raise ValueError(f"{HOST_ID_RULE} (got {value!r})")
         return value
 
     @field_validator("home")

@@ -112,13 +112,22 @@ def require_conditional_create(fs: Any, folder: str) -> None:
     )
 
 
+HOST_ID_RULE = "use 1-128 letters, digits, '.', '_' or '-'"
+
+
+def valid_host_id(name: str) -> bool:
+    """Whether ``name`` may name a capture host: a path component of the store's keys, so no "/" or ".."
+    that would lead under another prefix."""
+    return name not in (".", "..") and re.fullmatch(r"[A-Za-z0-9._-]{1,128}", name) is not None
+
+
 def host_id(capture_dir: str | os.PathLike[str]) -> str:
     """A stable name for this capture host: ``CLAWPIPE_HOST_ID``, else hostname + a hash of the folder
     (two homes on one machine are two hosts)."""
     explicit = os.environ.get(HOST_ENV, "").strip()
-    if explicit:  # a path component of the store's keys: no "/" or ".." may lead elsewhere
-        if explicit in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", explicit):
-            raise ValueError(f"{HOST_ENV}={explicit!r}: use 1-128 letters, digits, '.', '_' or '-'")
+    if explicit:
+        if not valid_host_id(explicit):
+            raise ValueError(f"{HOST_ENV}={explicit!r}: {HOST_ID_RULE}")
         return explicit
     digest = hashlib.sha1(str(Path(capture_dir).resolve()).encode()).hexdigest()[:8]
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname()) or "host"

@@ -307,24 +307,15 @@ def _run_with_retries(
                 raise LakeError(f"{str(exc).strip()}; clawpipe sql reads the lake's tables and nothing else") from exc
             if isinstance(exc, duckdb.OutOfMemoryException):
                 raise _out_of_memory(exc, limits, spilled=spill_dir is not None) from exc
-            if isinstance(exc, duckdb.CatalogException) and con is not None and "does not exist" in str(exc):
+            if isinstance(exc, duckdb.CatalogException) and "does not exist" in str(exc):
                 # DuckDB suggests its own catalog's names (pg_sequences, ...): name the lake's instead
                 first = str(exc).strip().splitlines()[0].rstrip("!")
-                raise LakeError(f"{first}; the lake's tables: {', '.join(_lake_names(con))}") from exc
+                raise LakeError(f"{first}; the lake's tables: {', '.join(sorted(schemas.TABLES))}") from exc
             raise LakeError(str(exc).strip()) from exc
         finally:
             if con is not None:
                 con.close()
     raise AssertionError("unreachable")
-
-
-def _lake_names(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """The tables and views a lake connection shows (not DuckDB's own catalog, not the views' helpers)."""
-    rows = con.sql(
-        "select view_name from duckdb_views() where not internal and schema_name = 'main' "
-        "union select table_name from duckdb_tables() where not internal and schema_name = 'main' order by 1"
-    ).fetchall()
-    return [str(r[0]) for r in rows if not str(r[0]).startswith("_")]
 
 
 def query_params(sql: str) -> list[str]:
