@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clawpipe.net import free_port
-from tests.support.prefect_server import server_env, spawn, start_server, wait_until_healthy
+from tests.support.prefect_server import running_server, spawn
 from tests.support.procs import descendants
 
 pytestmark = [pytest.mark.slow]
@@ -93,12 +92,7 @@ def _stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> No
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     tmp = tmp_path_factory.mktemp("deployed")
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = server_env(tmp, api)
-    server = start_server(port, env, tmp / "server.log")
-    try:
-        wait_until_healthy(api, server, tmp / "server.log")
+    with running_server(tmp) as (api, env):
         (tmp / "p.toml").write_text(CONFIG)
         cli = [sys.executable, "-m", "clawpipe", "deploy", "--config", str(tmp / "p.toml"), "--api-url", api]
         out = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
@@ -106,8 +100,6 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         deps = httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()
         (dep,) = [d for d in deps if d["name"] == "clawpipe-pipeline"]
         yield Deployed(api, env, tmp / "home", dep["id"], dep["parameters"]["cfg"], tmp)
-    finally:
-        _stop(server)
 
 
 def _failed_with(deployed: Deployed, parameters: dict[str, object]) -> str:

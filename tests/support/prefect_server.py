@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,10 +69,12 @@ def running_server(root: Path) -> Iterator[tuple[str, dict[str, str]]]:
     try:
         wait_until_healthy(api, server, root / "server.log")
         yield api, env
-    finally:
-        server.terminate()
+    finally:  # the server runs in a session of its own: its whole group goes (its workers too)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
             server.wait()
